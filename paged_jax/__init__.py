@@ -1,0 +1,1 @@
+"""paged-jax: PagedAttention (vLLM's KV-cache design) in JAX."""

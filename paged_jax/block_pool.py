@@ -1,0 +1,371 @@
+"""The functional block pool: vLLM V1's KV-cache manager (KVCacheManager + BlockPool +
+FreeKVCacheBlockQueue) as pure functions over arrays.
+
+Every function takes a `BlockPool` and returns a new one; none raises inside `jax.jit`, failure is
+a returned `ok` flag and a failed call returns the pool exactly as it was. Called eagerly with
+concrete arguments, the entry points first validate them and raise `ValueError` naming the value.
+
+The free queue is not a linked list but an order computed on demand: every free block (ref count 0)
+has a priority, and `allocate` takes the highest with one `lax.top_k`. The priorities reproduce
+vLLM V1's queue (the 2026 variant, vLLM c59cb79, that prepends unhashed blocks):
+  1. free blocks holding no prefix-cache entry, most recently freed first, never-used ones after
+     them in block-id order;
+  2. free blocks holding a cache entry, least recently freed first (LRU). A sequence's blocks are
+     freed tail first, so the end of a prefix chain is evicted before its start.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NULL_BLOCK = 0
+# Priorities live in int32: uncached free blocks in [_UNCACHED, 2**31), cached free ones in
+# [0, _UNCACHED), used blocks at -1. Stamps stay below _UNCACHED by renumbering (`_renumber`).
+_UNCACHED = 1 << 30
+_RENUMBER_AT = 1 << 29
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockPool:
+    block_tables: jax.Array  # i32[max_seqs, max_blocks_per_seq]; NULL_BLOCK where unmapped
+    seq_lens: jax.Array  # i32[max_seqs]; token slots mapped per sequence slot
+    ref_cnt: jax.Array  # i32[num_blocks]
+    free_stamp: jax.Array  # i32[num_blocks]; when the block last became free (0: never used)
+    cached: jax.Array  # bool[num_blocks]; holds a prefix-cache entry
+    version: jax.Array  # i32[num_blocks]; bumped each time the block is handed out
+    clock: jax.Array  # i32[]; the next free stamp
+    num_blocks: int = dataclasses.field(metadata=dict(static=True))
+    block_size: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def max_seqs(self) -> int:
+        return self.block_tables.shape[0]
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return self.block_tables.shape[1]
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.max_blocks_per_seq * self.block_size
+
+
+def init(num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: int) -> BlockPool:
+    for name, value, low in (("num_blocks", num_blocks, 2), ("block_size", block_size, 1),
+                             ("max_seqs", max_seqs, 1), ("max_blocks_per_seq", max_blocks_per_seq, 1)):
+        if not isinstance(value, (int, np.integer)) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    i32 = jnp.int32
+    return BlockPool(
+        block_tables=jnp.zeros((max_seqs, max_blocks_per_seq), i32),
+        seq_lens=jnp.zeros((max_seqs,), i32),
+        ref_cnt=jnp.zeros((num_blocks,), i32),
+        free_stamp=jnp.zeros((num_blocks,), i32),
+        cached=jnp.zeros((num_blocks,), bool),
+        version=jnp.zeros((num_blocks,), i32),
+        clock=jnp.ones((), i32),
+        num_blocks=int(num_blocks),
+        block_size=int(block_size),
+    )
+
+
+def select(ok, new: BlockPool, old: BlockPool) -> BlockPool:
+    """`new` where `ok`, else `old`: how a failed call hands back the pool unchanged."""
+    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+
+def _cdiv(n, d):
+    return (n + d - 1) // d
+
+
+def _num_blocks_of(pool: BlockPool, lens):
+    return _cdiv(lens, pool.block_size)
+
+
+def _is_free(pool: BlockPool):  # bool[num_blocks]
+    return (pool.ref_cnt == 0) & (jnp.arange(pool.num_blocks) != NULL_BLOCK)
+
+
+def num_free(pool: BlockPool):
+    return jnp.sum(_is_free(pool), dtype=jnp.int32)
+
+
+def usage(pool: BlockPool):
+    """Fraction of usable blocks held by sequences; cached-but-free blocks count as free (vLLM)."""
+    return 1.0 - num_free(pool) / (pool.num_blocks - 1)
+
+
+def _priority(pool: BlockPool):  # i32[num_blocks]; higher is handed out first, -1 never
+    uncached = _UNCACHED + pool.free_stamp
+    cached = _UNCACHED - 1 - pool.free_stamp
+    return jnp.where(_is_free(pool), jnp.where(pool.cached, cached, uncached), -1)
+
+
+def free_order(pool: BlockPool) -> np.ndarray:
+    """Host-side: the free blocks in the order `allocate` hands them out (vLLM's free queue)."""
+    pri = np.asarray(_priority(pool)).astype(np.int64)
+    order = np.lexsort((np.arange(pool.num_blocks), -pri))
+    return order[pri[order] >= 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# allocate
+
+
+def allocate(pool: BlockPool, new_lens, *, max_new_blocks: int | None = None):
+    """Grow every sequence slot to `new_lens` tokens (never shrink) -> (pool, ok).
+
+    new_lens: i32[max_seqs]. Slots take fresh blocks in slot order, each from the head of the free
+    order. `max_new_blocks` (static) bounds the blocks one call may hand out, so that only that many
+    candidates are ranked (`lax.top_k` instead of a full sort); a call that needs more fails.
+    Atomic: when the free blocks do not suffice, ok is False and the pool is returned unchanged.
+    """
+    lens = _concrete(new_lens)
+    if lens is not None:
+        _check_shape("new_lens", lens, (pool.max_seqs,))
+        _check_range("new_lens", lens, 0, pool.max_seq_len)
+    k = pool.num_blocks if max_new_blocks is None else max(1, min(int(max_new_blocks), pool.num_blocks))
+    return _allocate(pool, jnp.asarray(new_lens, jnp.int32), k)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _allocate(pool: BlockPool, new_lens, k: int):
+    new_lens = jnp.maximum(new_lens, pool.seq_lens)
+    old_nb = _num_blocks_of(pool, pool.seq_lens)  # i32[max_seqs]
+    new_nb = _num_blocks_of(pool, new_lens)
+    need = new_nb - old_nb
+    total = jnp.sum(need)
+    ok = (total <= num_free(pool)) & (total <= k) & jnp.all(new_nb <= pool.max_blocks_per_seq)
+
+    _, candidates = jax.lax.top_k(_priority(pool), k)  # i32[k], in hand-out order
+    first_rank = jnp.cumsum(need) - need  # i32[max_seqs]
+    pos = jnp.arange(pool.max_blocks_per_seq)[None, :]
+    fresh = (pos >= old_nb[:, None]) & (pos < new_nb[:, None])  # bool[max_seqs, max_blocks_per_seq]
+    rank = jnp.clip(first_rank[:, None] + pos - old_nb[:, None], 0, k - 1)
+    tables = jnp.where(fresh, candidates[rank], pool.block_tables)
+
+    taken = jnp.where(jnp.arange(k) < total, candidates, pool.num_blocks)  # out of range: dropped
+    new = dataclasses.replace(
+        pool,
+        block_tables=tables,
+        seq_lens=new_lens,
+        ref_cnt=pool.ref_cnt.at[taken].set(1, mode="drop"),
+        cached=pool.cached.at[taken].set(False, mode="drop"),
+        version=pool.version.at[taken].add(1, mode="drop"),
+    )
+    return select(ok, new, pool), ok
+
+
+# ---------------------------------------------------------------------------------------------
+# free
+
+
+def free(pool: BlockPool, seq_mask) -> BlockPool:
+    """Release the sequence slots in `seq_mask` (bool[max_seqs]) -> pool.
+
+    Shared blocks only lose a reference. A block whose count reaches 0 joins the free order and keeps
+    its cache entry until it is handed out again (vLLM's lazy eviction). Slots are released in slot
+    order, each tail block first.
+    """
+    mask = _concrete(seq_mask)
+    if mask is not None:
+        _check_shape("seq_mask", mask, (pool.max_seqs,))
+    return _free(pool, jnp.asarray(seq_mask, bool))
+
+
+@jax.jit
+def _free(pool: BlockPool, seq_mask):
+    nb = _num_blocks_of(pool, pool.seq_lens)
+    pos = jnp.arange(pool.max_blocks_per_seq)[None, :]
+    released = seq_mask[:, None] & (pos < nb[:, None])  # bool[max_seqs, max_blocks_per_seq]
+    # Stamp order: slot by slot, within a slot tail first (reverse the block axis, then flatten).
+    rev = released[:, ::-1].reshape(-1)
+    order = (jnp.cumsum(rev) - 1).reshape(released.shape)[:, ::-1]
+    blocks = jnp.where(released, pool.block_tables, pool.num_blocks)  # out of range: dropped
+    ref_cnt = pool.ref_cnt.at[blocks].add(-1, mode="drop")
+    stamp = jnp.zeros_like(pool.free_stamp).at[blocks].max(pool.clock + order, mode="drop")
+    now_free = (ref_cnt == 0) & (pool.ref_cnt > 0)
+    pool = dataclasses.replace(
+        pool,
+        block_tables=jnp.where(seq_mask[:, None], NULL_BLOCK, pool.block_tables),
+        seq_lens=jnp.where(seq_mask, 0, pool.seq_lens),
+        ref_cnt=ref_cnt,
+        free_stamp=jnp.where(now_free, stamp, pool.free_stamp),
+        clock=pool.clock + jnp.sum(released, dtype=jnp.int32),
+    )
+    return jax.lax.cond(pool.clock >= _RENUMBER_AT, _renumber, lambda p: p, pool)
+
+
+def _renumber(pool: BlockPool) -> BlockPool:
+    """Compress the free stamps to their ranks (same order, values below num_blocks) so the clock
+    never overflows the int32 priorities; runs once every ~2**29 freed blocks."""
+    order = jnp.argsort(pool.free_stamp, stable=True)
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(pool.num_blocks, dtype=order.dtype))
+    return dataclasses.replace(pool, free_stamp=jnp.where(pool.free_stamp > 0, rank + 1, 0),
+                               clock=jnp.asarray(pool.num_blocks + 1, jnp.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# share / fork / mark_cached
+
+
+def share(pool: BlockPool, seq, block_ids, n, versions=None):
+    """Map the first `n` of `block_ids` (cached blocks: a prefix hit) into the empty slot `seq`
+    -> (pool, ok).
+
+    block_ids, versions: i32[k]. Each block gains a reference; one with none is taken back from the
+    free order (vLLM's `touch`). It fails (pool unchanged) if the slot is not empty, or a block is
+    the null block, out of range, free without a cache entry, or of another `version` than given
+    (its cache entry went stale).
+    """
+    ids, count = _concrete(block_ids), _concrete(n)
+    _check_index("seq", _concrete(seq), pool.max_seqs)
+    if ids is not None and count is not None:
+        _check_range("n", count, 0, min(ids.shape[0], pool.max_blocks_per_seq))
+        _check_range("block_ids", ids[: int(count)], 1, pool.num_blocks - 1)
+    block_ids = jnp.asarray(block_ids, jnp.int32)
+    versions = jnp.full_like(block_ids, -1) if versions is None else jnp.asarray(versions, jnp.int32)
+    return _share(pool, jnp.asarray(seq, jnp.int32), block_ids, jnp.asarray(n, jnp.int32), versions)
+
+
+@jax.jit
+def _share(pool: BlockPool, seq, block_ids, n, versions):
+    k = block_ids.shape[0]
+    live = jnp.arange(k) < n
+    safe = jnp.clip(block_ids, 0, pool.num_blocks - 1)
+    usable = ((block_ids > NULL_BLOCK) & (block_ids < pool.num_blocks)
+              & ((pool.ref_cnt[safe] > 0) | pool.cached[safe])
+              & ((versions < 0) | (versions == pool.version[safe])))
+    unique = jnp.sum(live[:, None] & live[None, :] & (block_ids[:, None] == block_ids[None, :])) == n
+    ok = ((pool.seq_lens[seq] == 0) & (n >= 0) & (n <= min(k, pool.max_blocks_per_seq))
+          & jnp.all(usable | ~live) & unique)
+    mb = pool.max_blocks_per_seq
+    row = jnp.zeros((mb,), jnp.int32).at[:k].set(jnp.where(live, block_ids, NULL_BLOCK)[:mb])
+    new = dataclasses.replace(
+        pool,
+        block_tables=pool.block_tables.at[seq].set(row),
+        seq_lens=pool.seq_lens.at[seq].set(n * pool.block_size),
+        ref_cnt=pool.ref_cnt.at[jnp.where(live, block_ids, pool.num_blocks)].add(1, mode="drop"),
+    )
+    return select(ok, new, pool), ok
+
+
+def fork(pool: BlockPool, parent, child):
+    """Make slot `child` a copy-on-write fork of slot `parent` -> (pool, ok, copy_src, copy_dst).
+
+    The child shares every full block of the parent (ref count + 1) and gets a fresh block for the
+    parent's partial tail, whose KV the caller copies: `copy_blocks(pages, copy_src, copy_dst)`
+    (both -1 when the parent ends on a block boundary). The paper's parallel sampling (§4.4).
+    """
+    p, c = _concrete(parent), _concrete(child)
+    if p is not None and c is not None:
+        _check_index("parent", p, pool.max_seqs)
+        _check_index("child", c, pool.max_seqs)
+        if int(p) == int(c):
+            raise ValueError(f"fork needs two slots, got parent == child == {int(p)}")
+    return _fork(pool, jnp.asarray(parent, jnp.int32), jnp.asarray(child, jnp.int32))
+
+
+@jax.jit
+def _fork(pool: BlockPool, parent, child):
+    length = pool.seq_lens[parent]
+    num_full = length // pool.block_size
+    has_tail = length % pool.block_size != 0
+    row = pool.block_tables[parent]
+    shared = jnp.where(jnp.arange(pool.max_blocks_per_seq) < num_full, row, NULL_BLOCK)
+    pool1 = dataclasses.replace(
+        pool,
+        block_tables=pool.block_tables.at[child].set(shared),
+        seq_lens=pool.seq_lens.at[child].set(num_full * pool.block_size),
+        ref_cnt=pool.ref_cnt.at[jnp.where(shared > 0, shared, pool.num_blocks)].add(1, mode="drop"),
+    )
+    pool2, grown = _allocate(pool1, pool1.seq_lens.at[child].set(length), 1)
+    ok = (pool.seq_lens[child] == 0) & (parent != child) & grown
+    copy_src = jnp.where(ok & has_tail, row[jnp.maximum(num_full, 0)], -1)
+    copy_dst = jnp.where(ok & has_tail, pool2.block_tables[child, num_full], -1)
+    return select(ok, pool2, pool), ok, copy_src, copy_dst
+
+
+def mark_cached(pool: BlockPool, block_ids, n) -> BlockPool:
+    """The first `n` of `block_ids` (i32[k]) now hold a prefix-cache entry."""
+    ids, count = _concrete(block_ids), _concrete(n)
+    if ids is not None and count is not None:
+        _check_range("n", count, 0, ids.shape[0])
+        _check_range("block_ids", ids[: int(count)], 1, pool.num_blocks - 1)
+    return _mark_cached(pool, jnp.asarray(block_ids, jnp.int32), jnp.asarray(n, jnp.int32))
+
+
+@jax.jit
+def _mark_cached(pool: BlockPool, block_ids, n):
+    ids = jnp.where((jnp.arange(block_ids.shape[0]) < n) & (block_ids > NULL_BLOCK), block_ids,
+                    pool.num_blocks)
+    return dataclasses.replace(pool, cached=pool.cached.at[ids].set(True, mode="drop"))
+
+
+def slot_mapping(pool: BlockPool, seq_ids, positions):
+    """KV slot (block_id * block_size + offset) of each token -> i32[...]; -1 where the sequence id
+    or the position is negative (padding) or the position is not mapped."""
+    seq_ids = jnp.asarray(seq_ids, jnp.int32)
+    positions = jnp.asarray(positions, jnp.int32)
+    seq = jnp.clip(seq_ids, 0, pool.max_seqs - 1)
+    idx = jnp.clip(positions // pool.block_size, 0, pool.max_blocks_per_seq - 1)
+    slot = pool.block_tables[seq, idx] * pool.block_size + positions % pool.block_size
+    valid = (seq_ids >= 0) & (positions >= 0) & (positions < pool.seq_lens[seq])
+    return jnp.where(valid, slot, -1)
+
+
+# ---------------------------------------------------------------------------------------------
+# host-side checks
+
+
+def check_invariants(pool: BlockPool) -> None:
+    """Raise AssertionError naming the first broken invariant (host-side, for tests and debugging)."""
+    tables, lens, ref = (np.asarray(a) for a in (pool.block_tables, pool.seq_lens, pool.ref_cnt))
+    nb = -(-lens // pool.block_size)
+    assert np.all((lens >= 0) & (nb <= pool.max_blocks_per_seq)), f"seq_lens out of range: {lens}"
+    mapped = np.arange(pool.max_blocks_per_seq)[None, :] < nb[:, None]
+    assert np.all((tables[mapped] > 0) & (tables[mapped] < pool.num_blocks)), \
+        "a mapped table entry is the null block or out of range"
+    assert np.all(tables[~mapped] == NULL_BLOCK), "an unmapped table entry is not the null block"
+    for s in np.flatnonzero(nb):
+        row = tables[s, : nb[s]]
+        assert len(set(row.tolist())) == len(row), f"slot {s} maps a block twice: {row}"
+    counts = np.bincount(tables[mapped], minlength=pool.num_blocks)
+    assert ref[NULL_BLOCK] == 0, f"the null block has ref count {ref[NULL_BLOCK]}"
+    bad = np.flatnonzero(counts != ref)
+    assert bad.size == 0, (f"ref counts differ from table references at blocks {bad[:8]}: "
+                           f"ref_cnt {ref[bad[:8]]}, references {counts[bad[:8]]}")
+    free_n = int(num_free(pool))
+    used = int(np.sum(ref > 0))
+    assert free_n + used == pool.num_blocks - 1, f"free {free_n} + used {used} != {pool.num_blocks - 1}"
+
+
+def _concrete(x):
+    """x as a numpy array, or None while tracing (jitted callers get no host-side validation)."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    return np.asarray(x)
+
+
+def _check_shape(name, x, shape):
+    if x.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
+
+
+def _check_range(name, x, low, high):
+    if x is None:
+        return
+    x = np.asarray(x)
+    bad = x[(x < low) | (x > high)]
+    if bad.size:
+        raise ValueError(f"{name} must lie in [{low}, {high}], got {bad.tolist()[:8]}")
+
+
+def _check_index(name, x, size):
+    if x is not None and (np.ndim(x) != 0 or not 0 <= int(x) < size):
+        raise ValueError(f"{name} must be a slot index in [0, {size}), got {np.asarray(x).tolist()}")

@@ -1,0 +1,219 @@
+"""The block pool against vLLM V1's KV-cache manager behaviours (tests/v1/core/test_prefix_caching.py,
+block_size 16 and 11 blocks) with exact block ids, and against a plain-Python free-queue model."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paged_jax import block_pool as bp
+
+
+def lens(pool, **by_slot):
+    out = np.asarray(pool.seq_lens).copy()
+    for slot, n in by_slot.items():
+        out[int(slot[1:])] = n
+    return out
+
+
+def row(pool, seq):
+    n = -(-int(pool.seq_lens[seq]) // pool.block_size)
+    return np.asarray(pool.block_tables[seq, :n]).tolist()
+
+
+@pytest.fixture
+def pool():
+    return bp.init(num_blocks=11, block_size=16, max_seqs=4, max_blocks_per_seq=10)
+
+
+def test_init_state(pool):
+    assert int(bp.num_free(pool)) == 10
+    assert bp.free_order(pool).tolist() == list(range(1, 11))
+    assert float(bp.usage(pool)) == 0.0
+    bp.check_invariants(pool)
+
+
+def test_prefill_share_free_order_and_eviction(pool):
+    # 48 + 7 tokens: three full blocks and a partial one.
+    pool, ok = bp.allocate(pool, lens(pool, s0=55))
+    assert bool(ok) and row(pool, 0) == [1, 2, 3, 4]
+    assert np.asarray(pool.ref_cnt)[1:5].tolist() == [1, 1, 1, 1]
+    pool = bp.mark_cached(pool, jnp.array([1, 2, 3]), 3)
+
+    # A second request hits the 3 cached blocks, then needs one more block for its own tail.
+    pool, ok = bp.share(pool, 1, jnp.array([1, 2, 3, 0]), 3)
+    assert bool(ok) and int(pool.seq_lens[1]) == 48
+    pool, ok = bp.allocate(pool, lens(pool, s1=55))
+    assert bool(ok) and row(pool, 1) == [1, 2, 3, 5]
+    assert np.asarray(pool.ref_cnt)[1:6].tolist() == [2, 2, 2, 1, 1]
+    assert int(bp.num_free(pool)) == 5
+    bp.check_invariants(pool)
+
+    # Free both: uncached tails first (newest first), never-used blocks, then the cached chain LRU,
+    # its end before its start: vLLM c59cb79's [5, 4, 6..10, 3, 2, 1].
+    pool = bp.free(pool, np.array([True, False, False, False]))
+    pool = bp.free(pool, np.array([False, True, False, False]))
+    assert bp.free_order(pool).tolist() == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
+    assert np.asarray(pool.ref_cnt).tolist() == [0] * 11
+    assert int(bp.num_free(pool)) == 10
+
+    # A hit on a free cached block takes it out of the free order.
+    pool, ok = bp.share(pool, 2, jnp.array([1, 2]), 2)
+    assert bool(ok) and bp.free_order(pool).tolist() == [5, 4, 6, 7, 8, 9, 10, 3]
+    pool = bp.free(pool, np.array([False, False, True, False]))
+    assert bp.free_order(pool).tolist() == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
+
+    # A 10-block miss evicts in exactly that order and empties the pool.
+    before = np.asarray(pool.version).copy()
+    pool, ok = bp.allocate(pool, lens(pool, s3=160))
+    assert bool(ok) and row(pool, 3) == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
+    assert int(bp.num_free(pool)) == 0 and not np.asarray(pool.cached).any()
+    assert (np.asarray(pool.version) - before)[1:].tolist() == [1] * 10
+    bp.check_invariants(pool)
+
+
+def test_decode_within_and_across_a_block(pool):
+    pool, _ = bp.allocate(pool, lens(pool, s0=55))
+    for n in range(56, 65):  # appending inside block 4 allocates nothing
+        pool, ok = bp.allocate(pool, lens(pool, s0=n))
+        assert bool(ok) and row(pool, 0) == [1, 2, 3, 4] and int(bp.num_free(pool)) == 6
+    pool, ok = bp.allocate(pool, lens(pool, s0=65))  # crossing the boundary takes exactly one
+    assert bool(ok) and row(pool, 0) == [1, 2, 3, 4, 5] and int(bp.num_free(pool)) == 5
+
+
+def test_failed_allocation_changes_nothing(pool):
+    pool, _ = bp.allocate(pool, lens(pool, s0=55))
+    pool = bp.mark_cached(pool, jnp.array([1, 2, 3]), 3)
+    pool, _ = bp.share(pool, 1, jnp.array([1, 2, 3]), 3)
+    before = jax.tree.map(np.asarray, pool)
+    grown, ok = bp.allocate(pool, lens(pool, s1=48 + 16 * 7))  # 7 new blocks, 6 free
+    assert not bool(ok)
+    for name in ("block_tables", "seq_lens", "ref_cnt", "free_stamp", "cached", "version", "clock"):
+        np.testing.assert_array_equal(getattr(grown, name), getattr(before, name), err_msg=name)
+    assert np.asarray(grown.ref_cnt)[1:4].tolist() == [2, 2, 2]
+
+
+def test_allocate_many_slots_at_once_in_slot_order(pool):
+    pool, ok = bp.allocate(pool, np.array([20, 0, 33, 16]))
+    assert bool(ok)
+    assert [row(pool, s) for s in range(4)] == [[1, 2], [], [3, 4, 5], [6]]
+    pool = bp.free(pool, np.array([True, False, True, False]))  # stamps: slot 0 then 2, tail first
+    assert bp.free_order(pool).tolist() == [3, 4, 5, 1, 2, 7, 8, 9, 10]
+
+
+def test_free_everything_returns_every_block(pool):
+    pool, _ = bp.allocate(pool, np.array([20, 0, 33, 16]))
+    pool, ok, _, _ = bp.fork(pool, 2, 1)
+    assert bool(ok) and int(bp.num_free(pool)) == 3
+    pool = bp.free(pool, np.ones(4, bool))
+    assert int(bp.num_free(pool)) == 10 and np.asarray(pool.ref_cnt).tolist() == [0] * 11
+    assert np.asarray(pool.block_tables).tolist() == [[0] * 10] * 4
+    bp.check_invariants(pool)
+
+
+def test_fork_shares_full_blocks_and_copies_the_tail(pool):
+    pool, _ = bp.allocate(pool, lens(pool, s0=40))  # blocks [1, 2, 3], 8 tokens in block 3
+    pool, ok, src, dst = bp.fork(pool, 0, 2)
+    assert bool(ok) and (int(src), int(dst)) == (3, 4)
+    assert row(pool, 2) == [1, 2, 4] and int(pool.seq_lens[2]) == 40
+    assert np.asarray(pool.ref_cnt)[1:5].tolist() == [2, 2, 1, 1]
+    # On a block boundary there is nothing to copy.
+    pool, _ = bp.allocate(pool, lens(pool, s0=48))
+    pool, ok, src, dst = bp.fork(pool, 0, 3)
+    assert bool(ok) and (int(src), int(dst)) == (-1, -1) and row(pool, 3) == [1, 2, 3]
+    bp.check_invariants(pool)
+
+
+def test_fork_into_a_busy_slot_or_without_blocks_fails(pool):
+    pool, _ = bp.allocate(pool, lens(pool, s0=40, s1=5))
+    forked, ok, src, dst = bp.fork(pool, 0, 1)
+    assert not bool(ok) and (int(src), int(dst)) == (-1, -1)
+    np.testing.assert_array_equal(forked.ref_cnt, pool.ref_cnt)
+    pool, _ = bp.allocate(pool, lens(pool, s2=16 * 6))  # the pool is now empty
+    forked, ok, _, _ = bp.fork(pool, 0, 3)
+    assert not bool(ok) and int(forked.seq_lens[3]) == 0
+
+
+def test_share_refuses_stale_or_bad_blocks(pool):
+    pool, _ = bp.allocate(pool, lens(pool, s0=32))
+    pool = bp.mark_cached(pool, jnp.array([1, 2]), 2)
+    version = np.asarray(pool.version)[[1, 2]]
+    pool = bp.free(pool, np.array([True, False, False, False]))
+    # An uncached free block is not a hit; neither is a stale version, nor a busy slot.
+    _, ok = bp.share(pool, 1, jnp.array([1, 3]), 2)
+    assert not bool(ok)
+    _, ok = bp.share(pool, 1, jnp.array([1, 2]), 2, versions=version + 1)
+    assert not bool(ok)
+    shared, ok = bp.share(pool, 1, jnp.array([1, 2]), 2, versions=version)
+    assert bool(ok)
+    _, ok = bp.share(shared, 1, jnp.array([1]), 1)
+    assert not bool(ok)
+    _, ok = bp.share(pool, 1, jnp.array([2, 2]), 2)
+    assert not bool(ok)
+
+
+def test_slot_mapping(pool):
+    pool, _ = bp.allocate(pool, np.array([20, 0, 3, 0]))  # slot 0 -> [1, 2], slot 2 -> [3]
+    slots = bp.slot_mapping(pool, jnp.array([0, 0, 0, 2, 2, -1, 1]), jnp.array([0, 15, 19, 2, 3, 0, 0]))
+    assert slots.tolist() == [16, 31, 35, 50, -1, -1, -1]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda p: bp.allocate(p, np.array([0, 0, 0, 161])), r"new_lens must lie in \[0, 160\], got \[161\]"),
+    (lambda p: bp.allocate(p, np.array([-1, 0, 0, 0])), r"new_lens .* got \[-1\]"),
+    (lambda p: bp.allocate(p, np.array([1, 2])), r"new_lens must have shape \(4,\), got \(2,\)"),
+    (lambda p: bp.free(p, np.ones(3, bool)), r"seq_mask must have shape \(4,\)"),
+    (lambda p: bp.share(p, 4, jnp.array([1]), 1), r"seq must be a slot index in \[0, 4\), got 4"),
+    (lambda p: bp.share(p, 0, jnp.array([11]), 1), r"block_ids must lie in \[1, 10\], got \[11\]"),
+    (lambda p: bp.share(p, 0, jnp.array([1]), 2), r"n must lie in \[0, 1\], got \[2\]"),
+    (lambda p: bp.fork(p, 1, 1), r"parent == child == 1"),
+    (lambda p: bp.fork(p, -1, 1), r"parent must be a slot index .* got -1"),
+    (lambda p: bp.mark_cached(p, jnp.array([0]), 1), r"block_ids must lie in \[1, 10\], got \[0\]"),
+    (lambda p: bp.init(1, 16, 4, 8), r"num_blocks must be an integer >= 2, got 1"),
+])
+def test_bad_arguments_raise_naming_the_value(pool, call, message):
+    with pytest.raises(ValueError, match=message):
+        call(pool)
+
+
+def test_max_new_blocks_bounds_one_call(pool):
+    _, ok = bp.allocate(pool, lens(pool, s0=16 * 3), max_new_blocks=2)
+    assert not bool(ok)
+    grown, ok = bp.allocate(pool, lens(pool, s0=16 * 2), max_new_blocks=2)
+    assert bool(ok) and row(grown, 0) == [1, 2]
+
+
+def test_usage_counts_cached_free_blocks_as_free(pool):
+    pool, _ = bp.allocate(pool, lens(pool, s0=80))
+    assert float(bp.usage(pool)) == pytest.approx(0.5)
+    pool = bp.mark_cached(pool, jnp.arange(1, 6), 5)
+    pool = bp.free(pool, np.array([True, False, False, False]))
+    assert float(bp.usage(pool)) == 0.0
+
+
+def test_clock_renumbering_keeps_the_order(pool):
+    pool, _ = bp.allocate(pool, np.array([48, 32, 0, 0]))
+    pool = bp.mark_cached(pool, jnp.arange(1, 6), 5)
+    pool = bp.free(pool, np.array([False, True, False, False]))
+    pool = dataclasses.replace(pool, clock=jnp.asarray(bp._RENUMBER_AT - 2, jnp.int32))
+    pool = bp.free(pool, np.array([True, False, False, False]))
+    assert int(pool.clock) == 12 and int(np.max(pool.free_stamp)) <= 11
+    assert bp.free_order(pool).tolist() == [6, 7, 8, 9, 10, 5, 4, 3, 2, 1]
+
+
+def test_every_function_runs_inside_jit(pool):
+    @jax.jit
+    def step(pool):
+        pool, ok1 = bp.allocate(pool, pool.seq_lens.at[0].set(40))
+        pool = bp.mark_cached(pool, pool.block_tables[0], 2)
+        pool, ok2 = bp.share(pool, 1, pool.block_tables[0], 2)
+        pool, ok3, src, dst = bp.fork(pool, 0, 2)
+        slots = bp.slot_mapping(pool, jnp.array([2]), jnp.array([39]))
+        pool = bp.free(pool, jnp.array([True, False, False, False]))
+        return pool, jnp.stack([ok1, ok2, ok3]), src, dst, slots, bp.num_free(pool)
+
+    out, oks, src, dst, slots, nfree = step(pool)
+    assert oks.tolist() == [True, True, True]
+    assert (int(src), int(dst), slots.tolist(), int(nfree)) == (3, 4, [4 * 16 + 7], 7)
+    bp.check_invariants(out)
