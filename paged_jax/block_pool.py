@@ -5,13 +5,16 @@ Every function takes a `BlockPool` and returns a new one; none raises inside `ja
 a returned `ok` flag and a failed call returns the pool exactly as it was. Called eagerly with
 concrete arguments, the entry points first validate them and raise `ValueError` naming the value.
 
-The free queue is not a linked list but an order computed on demand: every free block (ref count 0)
-has a priority, and `allocate` takes the highest with one `lax.top_k`. The priorities reproduce
-vLLM V1's queue (the 2026 variant, vLLM c59cb79, that prepends unhashed blocks):
-  1. free blocks holding no prefix-cache entry, most recently freed first, never-used ones after
-     them in block-id order;
-  2. free blocks holding a cache entry, least recently freed first (LRU). A sequence's blocks are
-     freed tail first, so the end of a prefix chain is evicted before its start.
+The free queue is vLLM's FreeKVCacheBlockQueue as a ring buffer of block ids, so handing out n
+blocks reads n entries and freeing m blocks writes m entries: no pass over the whole pool, and no
+sort (XLA's CPU top_k is a full sort: 17 ms for 65,536 blocks). The order is vLLM's 2026 variant
+(vLLM c59cb79, which prepends unhashed blocks):
+  - a freed block that holds no prefix-cache entry goes to the head (reused first, most recently
+    freed first); one that holds an entry goes to the tail, so cached blocks are evicted least
+    recently freed first; never-used blocks sit between the two, in block-id order;
+  - a sequence's blocks are freed tail first, so the end of a prefix chain is evicted before its
+    start;
+  - a prefix hit on a free cached block takes it out of the queue (vLLM's `touch`).
 """
 from __future__ import annotations
 
@@ -23,10 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 
 NULL_BLOCK = 0
-# Priorities live in int32: uncached free blocks in [_UNCACHED, 2**31), cached free ones in
-# [0, _UNCACHED), used blocks at -1. Stamps stay below _UNCACHED by renumbering (`_renumber`).
-_UNCACHED = 1 << 30
-_RENUMBER_AT = 1 << 29
 
 
 @jax.tree_util.register_dataclass
@@ -35,10 +34,11 @@ class BlockPool:
     block_tables: jax.Array  # i32[max_seqs, max_blocks_per_seq]; NULL_BLOCK where unmapped
     seq_lens: jax.Array  # i32[max_seqs]; token slots mapped per sequence slot
     ref_cnt: jax.Array  # i32[num_blocks]
-    free_stamp: jax.Array  # i32[num_blocks]; when the block last became free (0: never used)
     cached: jax.Array  # bool[num_blocks]; holds a prefix-cache entry
     version: jax.Array  # i32[num_blocks]; bumped each time the block is handed out
-    clock: jax.Array  # i32[]; the next free stamp
+    queue: jax.Array  # i32[num_blocks]; ring buffer, free blocks in hand-out order from `head`
+    head: jax.Array  # i32[]
+    num_free_blocks: jax.Array  # i32[]; entries of the queue in use
     num_blocks: int = dataclasses.field(metadata=dict(static=True))
     block_size: int = dataclasses.field(metadata=dict(static=True))
 
@@ -65,17 +65,18 @@ def init(num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: in
         block_tables=jnp.zeros((max_seqs, max_blocks_per_seq), i32),
         seq_lens=jnp.zeros((max_seqs,), i32),
         ref_cnt=jnp.zeros((num_blocks,), i32),
-        free_stamp=jnp.zeros((num_blocks,), i32),
         cached=jnp.zeros((num_blocks,), bool),
         version=jnp.zeros((num_blocks,), i32),
-        clock=jnp.ones((), i32),
+        queue=jnp.arange(1, num_blocks + 1, dtype=i32) % num_blocks,  # 1..num_blocks-1, then unused
+        head=jnp.zeros((), i32),
+        num_free_blocks=jnp.asarray(num_blocks - 1, i32),
         num_blocks=int(num_blocks),
         block_size=int(block_size),
     )
 
 
 def select(ok, new: BlockPool, old: BlockPool) -> BlockPool:
-    """`new` where `ok`, else `old`: how a failed call hands back the pool unchanged."""
+    """`new` where `ok`, else `old`: how a composite call hands back the pool unchanged on failure."""
     return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
 
 
@@ -83,34 +84,19 @@ def _cdiv(n, d):
     return (n + d - 1) // d
 
 
-def _num_blocks_of(pool: BlockPool, lens):
-    return _cdiv(lens, pool.block_size)
-
-
-def _is_free(pool: BlockPool):  # bool[num_blocks]
-    return (pool.ref_cnt == 0) & (jnp.arange(pool.num_blocks) != NULL_BLOCK)
-
-
 def num_free(pool: BlockPool):
-    return jnp.sum(_is_free(pool), dtype=jnp.int32)
+    return pool.num_free_blocks
 
 
 def usage(pool: BlockPool):
     """Fraction of usable blocks held by sequences; cached-but-free blocks count as free (vLLM)."""
-    return 1.0 - num_free(pool) / (pool.num_blocks - 1)
-
-
-def _priority(pool: BlockPool):  # i32[num_blocks]; higher is handed out first, -1 never
-    uncached = _UNCACHED + pool.free_stamp
-    cached = _UNCACHED - 1 - pool.free_stamp
-    return jnp.where(_is_free(pool), jnp.where(pool.cached, cached, uncached), -1)
+    return 1.0 - pool.num_free_blocks / (pool.num_blocks - 1)
 
 
 def free_order(pool: BlockPool) -> np.ndarray:
     """Host-side: the free blocks in the order `allocate` hands them out (vLLM's free queue)."""
-    pri = np.asarray(_priority(pool)).astype(np.int64)
-    order = np.lexsort((np.arange(pool.num_blocks), -pri))
-    return order[pri[order] >= 0]
+    queue = np.asarray(pool.queue)
+    return queue[(int(pool.head) + np.arange(int(pool.num_free_blocks))) % pool.num_blocks]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,9 +106,9 @@ def free_order(pool: BlockPool) -> np.ndarray:
 def allocate(pool: BlockPool, new_lens, *, max_new_blocks: int | None = None):
     """Grow every sequence slot to `new_lens` tokens (never shrink) -> (pool, ok).
 
-    new_lens: i32[max_seqs]. Slots take fresh blocks in slot order, each from the head of the free
-    order. `max_new_blocks` (static) bounds the blocks one call may hand out, so that only that many
-    candidates are ranked (`lax.top_k` instead of a full sort); a call that needs more fails.
+    new_lens: i32[max_seqs]. Slots take blocks from the head of the free queue in slot order.
+    `max_new_blocks` (static) bounds the blocks one call may hand out (the decode loop needs at most
+    one per sequence), so only that many queue entries are read; a call that needs more fails.
     Atomic: when the free blocks do not suffice, ok is False and the pool is returned unchanged.
     """
     lens = _concrete(new_lens)
@@ -136,29 +122,29 @@ def allocate(pool: BlockPool, new_lens, *, max_new_blocks: int | None = None):
 @functools.partial(jax.jit, static_argnums=2)
 def _allocate(pool: BlockPool, new_lens, k: int):
     new_lens = jnp.maximum(new_lens, pool.seq_lens)
-    old_nb = _num_blocks_of(pool, pool.seq_lens)  # i32[max_seqs]
-    new_nb = _num_blocks_of(pool, new_lens)
+    old_nb = _cdiv(pool.seq_lens, pool.block_size)  # i32[max_seqs]
+    new_nb = _cdiv(new_lens, pool.block_size)
     need = new_nb - old_nb
     total = jnp.sum(need)
-    ok = (total <= num_free(pool)) & (total <= k) & jnp.all(new_nb <= pool.max_blocks_per_seq)
+    ok = (total <= pool.num_free_blocks) & (total <= k) & jnp.all(new_nb <= pool.max_blocks_per_seq)
 
-    _, candidates = jax.lax.top_k(_priority(pool), k)  # i32[k], in hand-out order
+    candidates = pool.queue[(pool.head + jnp.arange(k)) % pool.num_blocks]  # i32[k], hand-out order
     first_rank = jnp.cumsum(need) - need  # i32[max_seqs]
     pos = jnp.arange(pool.max_blocks_per_seq)[None, :]
-    fresh = (pos >= old_nb[:, None]) & (pos < new_nb[:, None])  # bool[max_seqs, max_blocks_per_seq]
+    fresh = ok & (pos >= old_nb[:, None]) & (pos < new_nb[:, None])  # bool[max_seqs, max_blocks_per_seq]
     rank = jnp.clip(first_rank[:, None] + pos - old_nb[:, None], 0, k - 1)
-    tables = jnp.where(fresh, candidates[rank], pool.block_tables)
-
-    taken = jnp.where(jnp.arange(k) < total, candidates, pool.num_blocks)  # out of range: dropped
-    new = dataclasses.replace(
+    taken = jnp.where(ok & (jnp.arange(k) < total), candidates, pool.num_blocks)  # else dropped
+    taken_n = jnp.where(ok, total, 0)
+    return dataclasses.replace(
         pool,
-        block_tables=tables,
-        seq_lens=new_lens,
+        block_tables=jnp.where(fresh, candidates[rank], pool.block_tables),
+        seq_lens=jnp.where(ok, new_lens, pool.seq_lens),
         ref_cnt=pool.ref_cnt.at[taken].set(1, mode="drop"),
         cached=pool.cached.at[taken].set(False, mode="drop"),
         version=pool.version.at[taken].add(1, mode="drop"),
-    )
-    return select(ok, new, pool), ok
+        head=(pool.head + taken_n) % pool.num_blocks,
+        num_free_blocks=pool.num_free_blocks - taken_n,
+    ), ok
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,9 +154,9 @@ def _allocate(pool: BlockPool, new_lens, k: int):
 def free(pool: BlockPool, seq_mask) -> BlockPool:
     """Release the sequence slots in `seq_mask` (bool[max_seqs]) -> pool.
 
-    Shared blocks only lose a reference. A block whose count reaches 0 joins the free order and keeps
+    Shared blocks only lose a reference. A block whose count reaches 0 joins the free queue and keeps
     its cache entry until it is handed out again (vLLM's lazy eviction). Slots are released in slot
-    order, each tail block first.
+    order, each tail block first; unhashed blocks are prepended, hashed ones appended.
     """
     mask = _concrete(seq_mask)
     if mask is not None:
@@ -180,34 +166,50 @@ def free(pool: BlockPool, seq_mask) -> BlockPool:
 
 @jax.jit
 def _free(pool: BlockPool, seq_mask):
-    nb = _num_blocks_of(pool, pool.seq_lens)
+    nb = _cdiv(pool.seq_lens, pool.block_size)
     pos = jnp.arange(pool.max_blocks_per_seq)[None, :]
     released = seq_mask[:, None] & (pos < nb[:, None])  # bool[max_seqs, max_blocks_per_seq]
-    # Stamp order: slot by slot, within a slot tail first (reverse the block axis, then flatten).
-    rev = released[:, ::-1].reshape(-1)
-    order = (jnp.cumsum(rev) - 1).reshape(released.shape)[:, ::-1]
+    # Processing order: slot by slot, within a slot tail first.
+    order = jnp.arange(released.size).reshape(released.shape[0], -1)[:, ::-1]
     blocks = jnp.where(released, pool.block_tables, pool.num_blocks)  # out of range: dropped
     ref_cnt = pool.ref_cnt.at[blocks].add(-1, mode="drop")
-    stamp = jnp.zeros_like(pool.free_stamp).at[blocks].max(pool.clock + order, mode="drop")
-    now_free = (ref_cnt == 0) & (pool.ref_cnt > 0)
-    pool = dataclasses.replace(
+    # A block shared by two released slots returns to the queue at its last release.
+    last = jnp.full_like(pool.ref_cnt, -1).at[blocks].max(order, mode="drop")
+    safe = jnp.clip(blocks, 0, pool.num_blocks - 1)
+    returns = released & (ref_cnt[safe] == 0) & (last[safe] == order)
+
+    def ranks(mask):  # rank of each returning entry among `mask`, in processing order
+        flat = mask[:, ::-1].reshape(-1)
+        return (jnp.cumsum(flat) - 1).reshape(mask.shape)[:, ::-1], jnp.sum(flat, dtype=jnp.int32)
+
+    hashed = pool.cached[safe]
+    rank_u, num_u = ranks(returns & ~hashed)
+    rank_h, num_h = ranks(returns & hashed)
+    # Prepended one by one, the last returned block ends up at the head.
+    where_u = pool.head - 1 - rank_u
+    where_h = pool.head + pool.num_free_blocks + rank_h
+    dest = jnp.where(returns, jnp.where(hashed, where_h, where_u) % pool.num_blocks, pool.num_blocks)
+    return dataclasses.replace(
         pool,
         block_tables=jnp.where(seq_mask[:, None], NULL_BLOCK, pool.block_tables),
         seq_lens=jnp.where(seq_mask, 0, pool.seq_lens),
         ref_cnt=ref_cnt,
-        free_stamp=jnp.where(now_free, stamp, pool.free_stamp),
-        clock=pool.clock + jnp.sum(released, dtype=jnp.int32),
+        queue=pool.queue.at[dest].set(pool.block_tables, mode="drop"),
+        head=(pool.head - num_u) % pool.num_blocks,
+        num_free_blocks=pool.num_free_blocks + num_u + num_h,
     )
-    return jax.lax.cond(pool.clock >= _RENUMBER_AT, _renumber, lambda p: p, pool)
 
 
-def _renumber(pool: BlockPool) -> BlockPool:
-    """Compress the free stamps to their ranks (same order, values below num_blocks) so the clock
-    never overflows the int32 priorities; runs once every ~2**29 freed blocks."""
-    order = jnp.argsort(pool.free_stamp, stable=True)
-    rank = jnp.zeros_like(order).at[order].set(jnp.arange(pool.num_blocks, dtype=order.dtype))
-    return dataclasses.replace(pool, free_stamp=jnp.where(pool.free_stamp > 0, rank + 1, 0),
-                               clock=jnp.asarray(pool.num_blocks + 1, jnp.int32))
+def _remove_from_queue(pool: BlockPool, remove) -> BlockPool:
+    """Take the blocks in `remove` (bool[num_blocks]) out of the free queue, keeping the order of the
+    rest: one compaction pass, run only when a prefix hit revives a free block."""
+    n = pool.num_blocks
+    ring = pool.queue[(pool.head + jnp.arange(n)) % n]  # i32[num_blocks], head first
+    keep = (jnp.arange(n) < pool.num_free_blocks) & ~remove[ring]
+    dest = jnp.where(keep, jnp.cumsum(keep) - 1, n)
+    return dataclasses.replace(pool, queue=jnp.zeros_like(ring).at[dest].set(ring, mode="drop"),
+                               head=jnp.zeros((), jnp.int32),
+                               num_free_blocks=jnp.sum(keep, dtype=jnp.int32))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,13 +248,16 @@ def _share(pool: BlockPool, seq, block_ids, n, versions):
           & jnp.all(usable | ~live) & unique)
     mb = pool.max_blocks_per_seq
     row = jnp.zeros((mb,), jnp.int32).at[:k].set(jnp.where(live, block_ids, NULL_BLOCK)[:mb])
-    new = dataclasses.replace(
+    hits = jnp.where(ok & live, block_ids, pool.num_blocks)  # out of range: dropped
+    revived = jnp.zeros((pool.num_blocks,), bool).at[hits].set(pool.ref_cnt[safe] == 0, mode="drop")
+    pool = dataclasses.replace(
         pool,
-        block_tables=pool.block_tables.at[seq].set(row),
-        seq_lens=pool.seq_lens.at[seq].set(n * pool.block_size),
-        ref_cnt=pool.ref_cnt.at[jnp.where(live, block_ids, pool.num_blocks)].add(1, mode="drop"),
+        block_tables=pool.block_tables.at[seq].set(jnp.where(ok, row, pool.block_tables[seq])),
+        seq_lens=pool.seq_lens.at[seq].set(jnp.where(ok, n * pool.block_size, pool.seq_lens[seq])),
+        ref_cnt=pool.ref_cnt.at[hits].add(1, mode="drop"),
     )
-    return select(ok, new, pool), ok
+    pool = jax.lax.cond(jnp.any(revived), _remove_from_queue, lambda p, r: p, pool, revived)
+    return pool, ok
 
 
 def fork(pool: BlockPool, parent, child):
@@ -276,19 +281,21 @@ def _fork(pool: BlockPool, parent, child):
     length = pool.seq_lens[parent]
     num_full = length // pool.block_size
     has_tail = length % pool.block_size != 0
+    ok = ((pool.seq_lens[child] == 0) & (parent != child)
+          & (~has_tail | (pool.num_free_blocks > 0)))
     row = pool.block_tables[parent]
-    shared = jnp.where(jnp.arange(pool.max_blocks_per_seq) < num_full, row, NULL_BLOCK)
-    pool1 = dataclasses.replace(
+    shared = jnp.where(ok & (jnp.arange(pool.max_blocks_per_seq) < num_full), row, NULL_BLOCK)
+    pool = dataclasses.replace(
         pool,
-        block_tables=pool.block_tables.at[child].set(shared),
-        seq_lens=pool.seq_lens.at[child].set(num_full * pool.block_size),
+        block_tables=pool.block_tables.at[child].set(jnp.where(ok, shared, pool.block_tables[child])),
+        seq_lens=pool.seq_lens.at[child].set(jnp.where(ok, num_full * pool.block_size, pool.seq_lens[child])),
         ref_cnt=pool.ref_cnt.at[jnp.where(shared > 0, shared, pool.num_blocks)].add(1, mode="drop"),
     )
-    pool2, grown = _allocate(pool1, pool1.seq_lens.at[child].set(length), 1)
-    ok = (pool.seq_lens[child] == 0) & (parent != child) & grown
-    copy_src = jnp.where(ok & has_tail, row[jnp.maximum(num_full, 0)], -1)
-    copy_dst = jnp.where(ok & has_tail, pool2.block_tables[child, num_full], -1)
-    return select(ok, pool2, pool), ok, copy_src, copy_dst
+    pool, _ = _allocate(pool, pool.seq_lens.at[child].set(jnp.where(ok, length, pool.seq_lens[child])), 1)
+    copy = ok & has_tail
+    copy_src = jnp.where(copy, row[jnp.minimum(num_full, pool.max_blocks_per_seq - 1)], -1)
+    copy_dst = jnp.where(copy, pool.block_tables[child, jnp.minimum(num_full, pool.max_blocks_per_seq - 1)], -1)
+    return pool, ok, copy_src, copy_dst
 
 
 def mark_cached(pool: BlockPool, block_ids, n) -> BlockPool:
@@ -340,9 +347,12 @@ def check_invariants(pool: BlockPool) -> None:
     bad = np.flatnonzero(counts != ref)
     assert bad.size == 0, (f"ref counts differ from table references at blocks {bad[:8]}: "
                            f"ref_cnt {ref[bad[:8]]}, references {counts[bad[:8]]}")
-    free_n = int(num_free(pool))
+    queued = free_order(pool)
+    free_blocks = np.flatnonzero(ref == 0)[1:]
+    assert sorted(queued.tolist()) == free_blocks.tolist(), \
+        f"the free queue {queued.tolist()} is not the set of blocks with ref count 0 {free_blocks.tolist()}"
     used = int(np.sum(ref > 0))
-    assert free_n + used == pool.num_blocks - 1, f"free {free_n} + used {used} != {pool.num_blocks - 1}"
+    assert len(queued) + used == pool.num_blocks - 1, f"free {len(queued)} + used {used} != {pool.num_blocks - 1}"
 
 
 def _concrete(x):
