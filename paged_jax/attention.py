@@ -5,6 +5,10 @@ All layers share one page array: layer `l` owns blocks `[l * num_blocks, (l + 1)
 `[0, num_blocks)` and each layer adds its offset to the block tables and slot mapping, so a layer
 scan carries the cache and every kernel reads its layer in place: slicing a per-layer cache out of
 a stacked one inside `lax.scan` would copy the whole layer's KV on every step.
+
+The layout is chosen when the cache is made: "paged" (above; the reference and Pallas backends)
+or "tpu", the single `[num_layers * num_blocks, block_size, 2 * num_kv_heads, head_dim]` array with
+K/V interleaved that jax's TPU ragged paged attention reads (same layer-major block numbering).
 """
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ import jax.numpy as jnp
 
 import pallas_kernels as pk
 
-BACKENDS = ("reference", "pallas", "pallas-interpret")
+BACKENDS = ("reference", "pallas", "pallas-interpret", "tpu")
+LAYOUTS = ("paged", "tpu")
 
 
 @jax.tree_util.register_dataclass
@@ -34,37 +39,64 @@ class AttentionMetadata:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    k_pages: jax.Array  # [num_kv_heads, num_layers * num_blocks, block_size, head_dim]
-    v_pages: jax.Array  # [num_kv_heads, num_layers * num_blocks, block_size, head_dim]
+    # "paged": [num_kv_heads, num_layers * num_blocks, block_size, head_dim] each; None on "tpu"
+    k_pages: jax.Array | None
+    v_pages: jax.Array | None
     num_layers: int = dataclasses.field(metadata=dict(static=True))
+    # "tpu" only: [num_layers * num_blocks, block_size, 2 * num_kv_heads, head_dim], K/V interleaved
+    kv_pages: jax.Array | None = None
+    layout: str = dataclasses.field(default="paged", metadata=dict(static=True))
 
     @classmethod
-    def create(cls, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=jnp.float32):
+    def create(cls, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=jnp.float32,
+               layout="paged"):
+        """`layout`: "paged", or "tpu" for attention_backend "tpu" (see `cache_layout`)."""
+        if layout == "tpu":
+            shape = pk.kv_pages_shape(num_layers * num_blocks, block_size, num_kv_heads, head_dim)
+            return cls(None, None, num_layers, jnp.zeros(shape, dtype), layout)
+        if layout != "paged":
+            raise ValueError(f"KV cache layout must be one of {LAYOUTS}, got {layout!r}")
         shape = (num_kv_heads, num_layers * num_blocks, block_size, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), num_layers)
 
     @property
     def num_blocks(self) -> int:
         """Blocks per layer: the size of the block pool that indexes this cache."""
+        if self.layout == "tpu":
+            return self.kv_pages.shape[0] // self.num_layers
         return self.k_pages.shape[1] // self.num_layers
 
     @property
     def block_size(self) -> int:
-        return self.k_pages.shape[2]
+        return self.kv_pages.shape[1] if self.layout == "tpu" else self.k_pages.shape[2]
 
     @property
     def bytes_per_block(self) -> int:
         """KV bytes one pool block holds across all layers, K and V."""
+        if self.layout == "tpu":
+            _, bs, kv_heads, d = self.kv_pages.shape
+            return self.num_layers * bs * kv_heads * d * self.kv_pages.dtype.itemsize
         kvh, _, bs, d = self.k_pages.shape
         return 2 * self.num_layers * kvh * bs * d * self.k_pages.dtype.itemsize
 
 
-def copy_blocks(cache: KVCache, src, dst) -> KVCache:
+def cache_layout(backend: str) -> str:
+    """The KVCache layout an attention backend reads (pass it to `KVCache.create`)."""
+    return "tpu" if resolve_backend(backend) == "tpu" else "paged"
+
+
+def copy_blocks(cache: KVCache, src, dst, *, backend: str = "reference") -> KVCache:
     """Copy pool blocks `src` -> `dst` (i32[n], -1 = skip) in every layer (copy-on-write)."""
     offsets = cache.num_blocks * jnp.arange(cache.num_layers, dtype=jnp.int32)[:, None]
     src = jnp.where(src >= 0, src[None, :] + offsets, -1).reshape(-1)
     dst = jnp.where(dst >= 0, dst[None, :] + offsets, -1).reshape(-1)
-    k, v = pk.copy_blocks_reference(cache.k_pages, cache.v_pages, src, dst)
+    if cache.layout == "tpu":
+        return dataclasses.replace(cache, kv_pages=pk.copy_blocks_tpu(cache.kv_pages, src, dst))
+    if backend in ("pallas", "pallas-interpret"):
+        k, v = pk.copy_blocks(cache.k_pages, cache.v_pages, src, dst,
+                              interpret=backend == "pallas-interpret")
+    else:
+        k, v = pk.copy_blocks_reference(cache.k_pages, cache.v_pages, src, dst)
     return dataclasses.replace(cache, k_pages=k, v_pages=v)
 
 
@@ -82,34 +114,45 @@ def attend(
     sliding_window=None,
 ):
     """Write this layer's new K/V at the slot mapping, then attend through the pages -> (out, cache)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+    if (backend == "tpu") != (cache.layout == "tpu"):
+        raise ValueError(f"attention backend {backend!r} cannot read a {cache.layout!r} KV cache: "
+                         f"make it with KVCache.create(..., layout=cache_layout({backend!r}))")
     offset = layer * cache.num_blocks
     slots = jnp.where(md.slot_mapping >= 0, md.slot_mapping + offset * cache.block_size, -1)
-    k_pages, v_pages = pk.write_kv_reference(cache.k_pages, cache.v_pages, k, v, slots)
-    cache = dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
     tables = md.block_tables + offset
     kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    if backend == "tpu":
+        kv_pages = pk.write_kv_tpu(cache.kv_pages, k, v, slots)
+        qsl = md.query_start_loc
+        if md.decode_only:
+            qsl = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
+        out = pk.ragged_paged_attention_tpu(q, kv_pages, tables, md.seq_lens, qsl, **kwargs)
+        return out, dataclasses.replace(cache, kv_pages=kv_pages)
     if backend == "reference":
+        k_pages, v_pages = pk.write_kv_reference(cache.k_pages, cache.v_pages, k, v, slots)
         if md.decode_only:
             out = pk.paged_attention_reference(q, k_pages, v_pages, tables, md.seq_lens, **kwargs)
         else:
             out = pk.ragged_paged_attention_reference(q, k_pages, v_pages, tables, md.seq_lens,
                                                       md.query_start_loc, **kwargs)
-    elif backend in ("pallas", "pallas-interpret"):
+    else:
         kwargs["interpret"] = backend == "pallas-interpret"
+        k_pages, v_pages = pk.write_kv(cache.k_pages, cache.v_pages, k, v, slots,
+                                       interpret=kwargs["interpret"])
         if md.decode_only:
             out = pk.paged_attention(q, k_pages, v_pages, tables, md.seq_lens, **kwargs)
         else:
             out = pk.ragged_paged_attention(q, k_pages, v_pages, tables, md.seq_lens,
                                             md.query_start_loc, **kwargs)
-    else:
-        raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
-    return out, cache
+    return out, dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
 
 
 def resolve_backend(backend: str = "auto") -> str:
-    """`auto`: Pallas through Triton on GPU, the jnp references elsewhere."""
+    """`auto`: Pallas through Triton on GPU, jax's TPU kernel on TPU, the jnp references elsewhere."""
     if backend == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
+        return {"gpu": "pallas", "tpu": "tpu"}.get(jax.default_backend(), "reference")
     if backend not in BACKENDS:
         raise ValueError(f"attention_backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
     return backend

@@ -221,39 +221,51 @@ def share(pool: BlockPool, seq, block_ids, n, versions=None):
     -> (pool, ok).
 
     block_ids, versions: i32[k]. Each block gains a reference; one with none is taken back from the
-    free order (vLLM's `touch`). It fails (pool unchanged) if the slot is not empty, or a block is
+    free queue (vLLM's `touch`). It fails (pool unchanged) if the slot is not empty, or a block is
     the null block, out of range, free without a cache entry, or of another `version` than given
     (its cache entry went stale).
+    Batched: seq i32[m] (-1 skips a row), block_ids i32[m, k], n i32[m] map several hits at once
+    -> (pool, ok bool[m]); each row succeeds or fails on its own.
     """
-    ids, count = _concrete(block_ids), _concrete(n)
-    _check_index("seq", _concrete(seq), pool.max_seqs)
+    batched = jnp.ndim(seq) == 1
+    ids, count, slots = _concrete(block_ids), _concrete(n), _concrete(seq)
+    if slots is not None:
+        for slot in np.atleast_1d(slots):
+            if not (batched and slot == -1):
+                _check_index("seq", slot, pool.max_seqs)
     if ids is not None and count is not None:
-        _check_range("n", count, 0, min(ids.shape[0], pool.max_blocks_per_seq))
-        _check_range("block_ids", ids[: int(count)], 1, pool.num_blocks - 1)
-    block_ids = jnp.asarray(block_ids, jnp.int32)
-    versions = jnp.full_like(block_ids, -1) if versions is None else jnp.asarray(versions, jnp.int32)
-    return _share(pool, jnp.asarray(seq, jnp.int32), block_ids, jnp.asarray(n, jnp.int32), versions)
+        for row, c in zip(np.atleast_2d(ids), np.atleast_1d(count)):
+            _check_range("n", c, 0, min(row.shape[0], pool.max_blocks_per_seq))
+            _check_range("block_ids", row[: int(c)], 1, pool.num_blocks - 1)
+    block_ids = jnp.atleast_2d(jnp.asarray(block_ids, jnp.int32))
+    versions = jnp.full_like(block_ids, -1) if versions is None else jnp.atleast_2d(jnp.asarray(versions, jnp.int32))
+    pool, ok = _share(pool, jnp.atleast_1d(jnp.asarray(seq, jnp.int32)), block_ids,
+                      jnp.atleast_1d(jnp.asarray(n, jnp.int32)), versions)
+    return pool, (ok if batched else ok[0])
 
 
 @jax.jit
-def _share(pool: BlockPool, seq, block_ids, n, versions):
-    k = block_ids.shape[0]
-    live = jnp.arange(k) < n
+def _share(pool: BlockPool, seqs, block_ids, n, versions):
+    m, k = block_ids.shape
+    mb = pool.max_blocks_per_seq
+    live = (jnp.arange(k)[None, :] < n[:, None]) & (seqs >= 0)[:, None]  # bool[m, k]
     safe = jnp.clip(block_ids, 0, pool.num_blocks - 1)
     usable = ((block_ids > NULL_BLOCK) & (block_ids < pool.num_blocks)
               & ((pool.ref_cnt[safe] > 0) | pool.cached[safe])
               & ((versions < 0) | (versions == pool.version[safe])))
-    unique = jnp.sum(live[:, None] & live[None, :] & (block_ids[:, None] == block_ids[None, :])) == n
-    ok = ((pool.seq_lens[seq] == 0) & (n >= 0) & (n <= min(k, pool.max_blocks_per_seq))
-          & jnp.all(usable | ~live) & unique)
-    mb = pool.max_blocks_per_seq
-    row = jnp.zeros((mb,), jnp.int32).at[:k].set(jnp.where(live, block_ids, NULL_BLOCK)[:mb])
-    hits = jnp.where(ok & live, block_ids, pool.num_blocks)  # out of range: dropped
+    same = live[:, :, None] & live[:, None, :] & (block_ids[:, :, None] == block_ids[:, None, :])
+    slot = jnp.clip(seqs, 0, pool.max_seqs - 1)
+    ok = (seqs < 0) | ((pool.seq_lens[slot] == 0) & (n >= 0) & (n <= min(k, mb))
+                       & jnp.all(usable | ~live, axis=1) & (jnp.sum(same, axis=(1, 2)) == n))
+    apply = ok & (seqs >= 0)
+    rows = jnp.zeros((m, mb), jnp.int32).at[:, :k].set(jnp.where(live, block_ids, NULL_BLOCK)[:, :mb])
+    target = jnp.where(apply, slot, pool.max_seqs)  # out of range: dropped
+    hits = jnp.where(apply[:, None] & live, block_ids, pool.num_blocks)
     revived = jnp.zeros((pool.num_blocks,), bool).at[hits].set(pool.ref_cnt[safe] == 0, mode="drop")
     pool = dataclasses.replace(
         pool,
-        block_tables=pool.block_tables.at[seq].set(jnp.where(ok, row, pool.block_tables[seq])),
-        seq_lens=pool.seq_lens.at[seq].set(jnp.where(ok, n * pool.block_size, pool.seq_lens[seq])),
+        block_tables=pool.block_tables.at[target].set(rows, mode="drop"),
+        seq_lens=pool.seq_lens.at[target].set(n * pool.block_size, mode="drop"),
         ref_cnt=pool.ref_cnt.at[hits].add(1, mode="drop"),
     )
     pool = jax.lax.cond(jnp.any(revived), _remove_from_queue, lambda p, r: p, pool, revived)

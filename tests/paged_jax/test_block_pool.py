@@ -205,3 +205,17 @@ def test_every_function_runs_inside_jit(pool):
     assert oks.tolist() == [True, True, True]
     assert (int(src), int(dst), slots.tolist(), int(nfree)) == (3, 4, [4 * 16 + 7], 7)
     bp.check_invariants(out)
+
+
+def test_batched_share_maps_rows_independently(pool):
+    pool, _ = bp.allocate(pool, lens(pool, s0=48))  # blocks [1, 2, 3]
+    pool = bp.mark_cached(pool, jnp.array([1, 2, 3]), 3)
+    pool = bp.free(pool, np.array([True, False, False, False]))
+    seqs = jnp.array([1, -1, 2, 0])
+    hits = jnp.array([[1, 2, 3], [1, 2, 3], [1, 4, 0], [1, 2, 0]])  # row 2: block 4 was never cached
+    pool, ok = bp.share(pool, seqs, hits, jnp.array([3, 3, 2, 2]))
+    assert ok.tolist() == [True, True, False, True]
+    assert (row(pool, 1), row(pool, 2), row(pool, 0)) == ([1, 2, 3], [], [1, 2])
+    assert np.asarray(pool.ref_cnt)[1:4].tolist() == [2, 2, 1]
+    assert bp.free_order(pool).tolist() == [4, 5, 6, 7, 8, 9, 10]
+    bp.check_invariants(pool)

@@ -1,0 +1,94 @@
+"""`LLM`: vLLM's offline interface. `LLM(model).generate(prompts, sampling_params)`."""
+from __future__ import annotations
+
+import importlib
+import itertools
+import json
+from pathlib import Path
+
+from paged_jax.engine import LLMEngine
+from paged_jax.outputs import RequestOutput
+from paged_jax.sampling_params import SamplingParams
+
+# config.json's model_type -> the module that loads it, imported only when used (as vLLM's registry
+# does), so that paged_jax never imports models at module level.
+MODEL_LOADERS = {"llama": "models"}
+
+
+def load_model(path, dtype=None):
+    """(model, tokenizer or None) from a checkpoint directory (Hugging Face or Orbax)."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file}: no config.json, so {path} is not a model directory")
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    if model_type not in MODEL_LOADERS:
+        raise ValueError(f"{config_file}: model_type {model_type!r} is not supported; supported: {sorted(MODEL_LOADERS)}")
+    module = importlib.import_module(MODEL_LOADERS[model_type])
+    return module.load_model(path, dtype=dtype), module.load_tokenizer(path)
+
+
+class LLM:
+    def __init__(self, model, *, tokenizer=None, block_size=16, num_blocks=None,
+                 kv_cache_memory_fraction=0.9, max_num_seqs=None, max_num_batched_tokens=None,
+                 max_model_len=None, enable_prefix_caching=True, dtype=None, attention_backend="auto",
+                 seed=0, tensor_parallel_size=1, mesh=None, num_decode_steps=8,
+                 long_prefill_token_threshold=0, log_stats=True):
+        """`model`: a checkpoint directory (Hugging Face safetensors or a converted Orbax one) or a
+        model object (e.g. `models.Llama`), with an optional `tokenizer`."""
+        if tensor_parallel_size != 1 or mesh is not None:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}, mesh={mesh}: this build runs on one device")
+        if isinstance(model, (str, Path)):
+            model, found = load_model(model, dtype=dtype)
+            tokenizer = tokenizer or found
+        elif dtype is not None:
+            raise ValueError("dtype applies when loading a checkpoint; build the model object in the dtype you want")
+        self.engine = LLMEngine(
+            model, tokenizer, block_size=block_size, num_blocks=num_blocks,
+            kv_cache_memory_fraction=kv_cache_memory_fraction, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            num_decode_steps=num_decode_steps, long_prefill_token_threshold=long_prefill_token_threshold,
+            enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend, seed=seed,
+            log_stats=log_stats)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params=None, *, use_tqdm=False) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`: a string, a list of strings, a list of token-id lists,
+        or dicts `{"prompt": str | "prompt_token_ids": list[int], "cache_salt": str}`."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        # Check every prompt before queueing any, so a bad one leaves the engine untouched.
+        requests = []
+        for prompt, params in zip(prompts, sampling_params):
+            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+            if isinstance(prompt, dict):
+                prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
+            self.engine._tokenize(prompt)
+            requests.append((f"gen-{next(self._ids)}", prompt, params, salt))
+        for request_id, prompt, params, salt in requests:
+            self.engine.add_request(request_id, prompt, params, cache_salt=salt)
+        order = {request_id: i for i, (request_id, *_) in enumerate(requests)}
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(requests), desc="requests", unit="req")
+        while len(done) < len(requests):
+            for out in self.engine.step():
+                if out.finished and out.request_id in order:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return sorted(done.values(), key=lambda o: order[o.request_id])
+
+    def stats(self) -> dict:
+        return self.engine.stats()

@@ -1,0 +1,69 @@
+"""vLLM's `SamplingParams`: the same field names, defaults and checks (vllm/sampling_params.py)."""
+from __future__ import annotations
+
+import dataclasses
+
+# Below this temperature a request is greedy (vLLM's _SAMPLING_EPS).
+SAMPLING_EPS = 1e-5
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-N logprobs per output token, besides the sampled one
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        checks = (
+            ("n", self.n, isinstance(self.n, int) and self.n >= 1, "an integer >= 1"),
+            ("presence_penalty", self.presence_penalty, -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]"),
+            ("frequency_penalty", self.frequency_penalty, -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
+            ("repetition_penalty", self.repetition_penalty, self.repetition_penalty > 0.0, "> 0"),
+            ("temperature", self.temperature, self.temperature >= 0.0, ">= 0"),
+            ("top_p", self.top_p, 0.0 < self.top_p <= 1.0, "in (0, 1]"),
+            ("top_k", self.top_k, isinstance(self.top_k, int) and self.top_k >= -1, "-1, 0 (off) or >= 1"),
+            ("min_p", self.min_p, 0.0 <= self.min_p <= 1.0, "in [0, 1]"),
+            ("max_tokens", self.max_tokens, self.max_tokens is None or self.max_tokens >= 1, ">= 1"),
+            ("min_tokens", self.min_tokens, self.min_tokens >= 0, ">= 0"),
+            ("logprobs", self.logprobs, self.logprobs is None or self.logprobs >= 0, ">= 0"),
+        )
+        for name, value, ok, want in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {want}, got {value!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+        if any(not s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def uses_filters(self) -> bool:
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)

@@ -1,0 +1,82 @@
+"""Host-side request state: a `Request` (what the user asked for) holds `Sequence`s, one per sample
+(`n` of them; vLLM's parallel sampling), each with its own tokens, slot and status."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import numpy as np
+
+from paged_jax.sampling_params import SamplingParams
+
+
+class Status(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED_STOPPED = 2
+    FINISHED_LENGTH = 3
+    FINISHED_ABORTED = 4
+    FINISHED_ERROR = 5
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {Status.FINISHED_STOPPED: "stop", Status.FINISHED_LENGTH: "length",
+                Status.FINISHED_ABORTED: "abort", Status.FINISHED_ERROR: "error"}.get(self)
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    request: Request
+    index: int  # which of the request's n samples
+    token_ids: list[int]  # prompt, then output
+    key: np.ndarray  # u32[2]; this sample's PRNG key
+    status: Status = Status.WAITING
+    slot: int = -1
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    num_cached_blocks: int = 0  # leading full blocks already in the prefix cache
+    children: list[Sequence] = dataclasses.field(default_factory=list)  # forked once the prompt is in
+    logprobs: list[dict] | None = None
+    cumulative_logprob: float = 0.0
+    stop_reason: int | str | None = None
+    num_stop_checked: int = 0  # output tokens already scanned for stop strings
+    text_end: int | None = None  # where a stop string cuts the output text
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status >= Status.FINISHED_STOPPED
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    cache_salt: str | None = None
+    seqs: list[Sequence] = dataclasses.field(default_factory=list)
+    num_cached_tokens: int | None = None  # recorded at first admission, as vLLM does
+    error: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
