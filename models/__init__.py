@@ -1,0 +1,10 @@
+"""Models on the paged KV cache and their checkpoints.
+
+The engine imports this package lazily and calls `load_model(dir)`: config.json's `model_type`
+selects the entry of `MODEL_REGISTRY`, and the directory's contents select HF or Orbax loading."""
+from models.checkpoint import MODEL_REGISTRY, CheckpointError, load_model, save_orbax
+from models.llama import Llama, LlamaConfig, forward, preset
+from models.tokenizer import Tokenizer, load_tokenizer
+
+__all__ = ["MODEL_REGISTRY", "CheckpointError", "Llama", "LlamaConfig", "Tokenizer", "forward",
+           "load_model", "load_tokenizer", "preset", "save_orbax"]

@@ -1,0 +1,367 @@
+"""Llama 3 (Hugging Face `LlamaForCausalLM`'s family) in Flax NNX, reading and writing the paged KV cache.
+
+One forward serves prefill, chunked prefill and decode: a ragged batch of tokens, each layer writes
+its new K/V at `md.slot_mapping` and attends through `paged_jax.attention.attend`. The KV cache is an
+argument and a return value, never an `nnx.Variable`, so the engine can donate it. Layers are stacked
+on a leading axis and run under `jax.lax.scan`, so compile time does not grow with depth.
+
+Weights are laid out for Megatron-style tensor parallelism: q/k/v/o keep heads on their own axis
+(shard `wq`/`wk`/`wv` on heads, `wo` on heads, a reduction after it), the MLP is gate/up (shard on
+intermediate) and down (shard on intermediate, reduce after).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from paged_jax.attention import AttentionMetadata, KVCache, attend
+
+SUPPORTED_DTYPES = ("float32", "bfloat16")
+# Hugging Face's dtype names for what we compute in; float16 runs as bfloat16 (same bytes, JAX's
+# accelerators prefer it, and it does not overflow where float16 activations can).
+_HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "bfloat16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    # None, or the llama3 dict (rope_type "llama3", factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings); kept as sorted (key, value) pairs so the config hashes:
+    # it is static data in the model's graphdef, a jit cache key.
+    rope_scaling: Any = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    max_position_embeddings: int = 131072
+    bos_token_id: int | None = 128000
+    eos_token_id: Any = 128001  # int or a tuple of ints
+    dtype: str = "float32"  # params and activations; norms and softmax accumulate in f32
+    model_type: str = "llama"
+
+    def __post_init__(self):
+        if self.rope_scaling is not None:
+            scaling = dict(self.rope_scaling)
+            # Older HF configs name the type "type", some carry both keys.
+            kind = scaling.pop("rope_type", None) or scaling.pop("type", None)
+            scaling.pop("type", None)
+            if kind != "llama3":
+                raise ValueError(f"unsupported rope_scaling type {kind!r}: only 'llama3' is implemented")
+            missing = {"factor", "low_freq_factor", "high_freq_factor",
+                       "original_max_position_embeddings"} - set(scaling)
+            if missing:
+                raise ValueError(f"llama3 rope_scaling lacks {sorted(missing)}: {self.rope_scaling}")
+            object.__setattr__(self, "rope_scaling", tuple(sorted({**scaling, "rope_type": kind}.items())))
+        if isinstance(self.eos_token_id, (list, tuple)):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+
+    @classmethod
+    def from_hf_config(cls, hf: dict, *, dtype=None) -> LlamaConfig:
+        """From a Hugging Face `config.json` dict (transformers 4 or 5 style)."""
+        model_type = hf.get("model_type", "llama")
+        if model_type != "llama":
+            raise ValueError(f"unsupported model_type {model_type!r}: only 'llama' is implemented")
+        if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias", False):
+            raise ValueError("unsupported Llama variant: hidden_act must be 'silu' and mlp_bias false, "
+                             f"got {hf.get('hidden_act')!r}, {hf.get('mlp_bias')!r}")
+        # transformers 5 folds rope_theta and the scaling into `rope_parameters`; 4 keeps them apart.
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        if not rope or rope.get("rope_type", rope.get("type")) == "default":
+            rope = None
+        saved = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+        if dtype is None and saved not in _HF_DTYPES:
+            raise ValueError(f"unsupported checkpoint dtype {saved!r}; pass dtype= explicitly")
+        heads = hf["num_attention_heads"]
+        return cls(
+            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=rope,
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            attention_bias=hf.get("attention_bias", False),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"),
+            dtype=dtype or _HF_DTYPES[saved])
+
+    def to_hf_config(self) -> dict:
+        """The transformers-4 style `config.json` (read by transformers 4 and 5, and by vLLM)."""
+        eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
+        scaling = None if self.rope_scaling is None else dict(self.rope_scaling)
+        return {
+            "architectures": ["LlamaForCausalLM"], "model_type": self.model_type,
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "hidden_act": "silu", "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta, "rope_scaling": scaling,
+            "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias,
+            "mlp_bias": False, "max_position_embeddings": self.max_position_embeddings,
+            "bos_token_id": self.bos_token_id, "eos_token_id": eos, "torch_dtype": self.dtype,
+        }
+
+
+_LLAMA3_SCALING = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
+                       original_max_position_embeddings=8192)
+_LLAMA3 = dict(vocab_size=128256, intermediate_size=8192, num_kv_heads=8, rms_norm_eps=1e-5,
+               rope_theta=500000.0, max_position_embeddings=131072, bos_token_id=128000,
+               eos_token_id=128001, dtype="bfloat16")
+PRESETS = {
+    "llama-3.2-1b": dict(_LLAMA3, hidden_size=2048, num_layers=16, num_heads=32, head_dim=64,
+                         tie_word_embeddings=True, rope_scaling=dict(_LLAMA3_SCALING, factor=32.0)),
+    "llama-3.2-3b": dict(_LLAMA3, hidden_size=3072, num_layers=28, num_heads=24, head_dim=128,
+                         tie_word_embeddings=True, rope_scaling=dict(_LLAMA3_SCALING, factor=32.0)),
+    "llama-3.1-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                         num_heads=32, head_dim=128, rope_scaling=dict(_LLAMA3_SCALING, factor=8.0)),
+    "tiny": dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=256,
+                 bos_token_id=1, eos_token_id=2, dtype="float32"),
+}
+
+
+def preset(name: str, **overrides) -> LlamaConfig:
+    """A named shape (`PRESETS`), with any field overridden: `preset("tiny", num_layers=4)`."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+    return LlamaConfig(**{**PRESETS[name], **overrides})
+
+
+def rope_inv_freq(config: LlamaConfig) -> np.ndarray:  # f32[head_dim // 2]
+    """RoPE frequencies, with Llama 3.1's scaling: long wavelengths slowed by `factor`, short ones
+    kept, a smooth blend between (Meta's llama-models `apply_scaling`, HF's `_compute_llama3_parameters`)."""
+    d = config.head_dim
+    inv_freq = 1.0 / config.rope_theta ** (np.arange(0, d, 2, dtype=np.float32) / d)
+    if config.rope_scaling is None:
+        return inv_freq.astype(np.float32)
+    s = dict(config.rope_scaling)
+    old_len, low, high = s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > old_len / low, inv_freq / s["factor"], inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / s["factor"] + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def _rope(x, cos, sin):  # x [..., heads, head_dim]; cos, sin f32[..., head_dim // 2]
+    """Rotate the two halves of each head (HF's `rotate_half` layout, which its checkpoints assume)."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    cos, sin = cos[..., None, :], sin[..., None, :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _rms_norm(x, weight, eps):  # x [..., hidden]; weight [hidden]
+    """Normalise in f32, scale in the model dtype (as HF's LlamaRMSNorm, so bf16 rounds alike)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def _causal_attention(
+    q,  # [batch, seq, num_heads, head_dim]
+    k,  # [batch, seq, num_kv_heads, head_dim]
+    v,  # [batch, seq, num_kv_heads, head_dim]
+    state,  # passed through: the dense path has no cache
+    *,
+    sm_scale,
+):
+    """Dense causal GQA attention, f32 softmax: the no-cache path (training, reference)."""
+    b, t, h, d = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, t, kvh, h // kvh, d)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    p = jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
+    return out.reshape(b, t, h, d).astype(q.dtype), state
+
+
+def _decoder_layer(
+    x,  # [..., hidden_size]
+    w,  # dict of one layer's weights: LlamaLayers' shapes without the leading num_layers axis
+    cos,  # f32[..., head_dim // 2]
+    sin,  # f32[..., head_dim // 2]
+    attention,  # (q, k, v, attn_state) -> (out, attn_state)
+    attn_state,  # the paged cache, or None for the dense path
+    eps,
+):
+    """One pre-norm block -> (x, attn_state); attention is the only part that differs between the
+    paged and the dense forward."""
+    with jax.named_scope("attention"):
+        h = _rms_norm(x, w["attn_norm"], eps)
+        q = jnp.einsum("...d,dhk->...hk", h, w["wq"])
+        k = jnp.einsum("...d,dhk->...hk", h, w["wk"])
+        v = jnp.einsum("...d,dhk->...hk", h, w["wv"])
+        if "bq" in w:
+            q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+        out, attn_state = attention(_rope(q, cos, sin), _rope(k, cos, sin), v, attn_state)
+        o = jnp.einsum("...hk,hkd->...d", out, w["wo"])
+        x = x + (o + w["bo"] if "bo" in w else o)
+    with jax.named_scope("mlp"):
+        h = _rms_norm(x, w["mlp_norm"], eps)
+        gate = jnp.einsum("...d,df->...f", h, w["w_gate"])
+        up = jnp.einsum("...d,df->...f", h, w["w_up"])
+        x = x + jnp.einsum("...f,fd->...d", jax.nn.silu(gate) * up, w["w_down"])
+    return x, attn_state
+
+
+class LlamaLayers(nnx.Module):
+    """Every decoder layer's weights, stacked on a leading `num_layers` axis for the layer scan."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        c, dtype = config, jnp.dtype(config.dtype)
+        n, d, f = c.num_layers, c.hidden_size, c.intermediate_size
+        normal = nnx.initializers.normal(0.02)
+
+        # Every parameter is [num_layers, *shape]: wq [L, hidden, heads, head_dim], wo [L, heads,
+        # head_dim, hidden], w_gate [L, hidden, intermediate], w_down [L, intermediate, hidden], ...
+        def weight(*shape):
+            return nnx.Param(normal(rngs.params(), (n, *shape), dtype))
+
+        def const(fill, *shape):
+            return nnx.Param(jnp.full((n, *shape), fill, dtype))
+
+        self.attn_norm = const(1.0, d)
+        self.wq = weight(d, c.num_heads, c.head_dim)
+        self.wk = weight(d, c.num_kv_heads, c.head_dim)
+        self.wv = weight(d, c.num_kv_heads, c.head_dim)
+        self.wo = weight(c.num_heads, c.head_dim, d)
+        if c.attention_bias:
+            self.bq = const(0.0, c.num_heads, c.head_dim)
+            self.bk = const(0.0, c.num_kv_heads, c.head_dim)
+            self.bv = const(0.0, c.num_kv_heads, c.head_dim)
+            self.bo = const(0.0, d)
+        self.mlp_norm = const(1.0, d)
+        self.w_gate = weight(d, f)
+        self.w_up = weight(d, f)
+        self.w_down = weight(f, d)
+        self.names = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down") + (
+            ("bq", "bk", "bv", "bo") if c.attention_bias else ())
+
+    def arrays(self) -> dict[str, jax.Array]:
+        """The stacked weights as a plain dict: what `lax.scan` slices one layer at a time."""
+        return {name: getattr(self, name)[...] for name in self.names}
+
+
+class Llama(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        dtype, normal = jnp.dtype(config.dtype), nnx.initializers.normal(0.02)  # HF's initializer_range
+        self.embed = nnx.Param(normal(rngs.params(), (config.vocab_size, config.hidden_size), dtype))
+        self.layers = LlamaLayers(config, rngs=rngs)
+        self.norm = nnx.Param(jnp.ones((config.hidden_size,), dtype))
+        # Tied: the head reads `embed` ([vocab, hidden]) transposed; untied: its own [hidden, vocab].
+        self.lm_head = None if config.tie_word_embeddings else nnx.Param(
+            normal(rngs.params(), (config.hidden_size, config.vocab_size), dtype))
+
+    def _rope_tables(self, positions):  # i32[...] -> (f32[..., head_dim // 2], same)
+        inv_freq = jnp.asarray(rope_inv_freq(self.config))  # a constant of the config, built at trace time
+        angles = positions[..., None].astype(jnp.float32) * inv_freq
+        return jnp.cos(angles), jnp.sin(angles)
+
+    def _run_layers(
+        self,
+        x,  # [..., hidden_size]
+        positions,  # i32[...]
+        attention,  # (q, k, v, attn_state, layer) -> (out, attn_state)
+        attn_state,  # carried through the scan: the paged cache, or None
+    ):
+        """The layer scan -> (x, attn_state)."""
+        cos, sin = self._rope_tables(positions)
+        eps = self.config.rms_norm_eps
+
+        def step(carry, xs):
+            x, state = carry
+            w, layer = xs
+            return _decoder_layer(x, w, cos, sin, functools.partial(attention, layer=layer), state,
+                                  eps), None
+
+        layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        with jax.named_scope("layers"):
+            (x, attn_state), _ = jax.lax.scan(step, (x, attn_state), (self.layers.arrays(), layers))
+        return x, attn_state
+
+    def _logits(self, x):  # x [..., hidden] -> f32[..., vocab]
+        with jax.named_scope("lm_head"):
+            h = _rms_norm(x, self.norm[...], self.config.rms_norm_eps)
+            if self.lm_head is None:
+                return jnp.einsum("...d,vd->...v", h, self.embed[...], preferred_element_type=jnp.float32)
+            return jnp.einsum("...d,dv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
+
+    def __call__(
+        self,
+        tokens,  # i32[num_tokens]
+        positions,  # i32[num_tokens]
+        cache: KVCache,
+        md: AttentionMetadata,
+        logits_indices,  # i32[num_logits]; rows wanting logits (each sequence's last token)
+        *,
+        backend: str = "reference",
+    ):
+        """Ragged paged forward -> (f32[num_logits, vocab], cache): prefill, chunked prefill, decode."""
+        sm_scale = self.config.head_dim**-0.5
+
+        def paged(q, k, v, cache, layer):
+            return attend(q, k, v, cache, layer, md, backend=backend, sm_scale=sm_scale)
+
+        with jax.named_scope("embed"):
+            x = self.embed[...][tokens]
+        x, cache = self._run_layers(x, positions, paged, cache)
+        return self._logits(x[logits_indices]), cache
+
+    def dense_logits(self, tokens):  # i32[batch, seq] -> f32[batch, seq, vocab]
+        """Plain causal forward without a cache: differentiable (training) and the tests' reference."""
+        sm_scale = self.config.head_dim**-0.5
+
+        def dense(q, k, v, state, layer):
+            return _causal_attention(q, k, v, state, sm_scale=sm_scale)
+
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        with jax.named_scope("embed"):
+            x = self.embed[...][tokens]
+        x, _ = self._run_layers(x, positions, dense, None)
+        return self._logits(x)
+
+    def init_cache(self, num_blocks: int, block_size: int, *, layout: str = "paged") -> KVCache:
+        """An empty cache for this model in its dtype: `num_blocks` pool blocks per layer, in the
+        layout the attention backend reads (`paged_jax.attention.cache_layout(backend)`)."""
+        c = self.config
+        return KVCache.create(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
+                              jnp.dtype(c.dtype), layout=layout)
+
+
+@functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("cache",))
+def forward(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    tokens,  # i32[num_tokens]
+    positions,  # i32[num_tokens]
+    cache: KVCache,
+    md: AttentionMetadata,
+    logits_indices,  # i32[num_logits]
+    backend: str = "reference",
+):
+    """The jitted entry point: `graphdef, state = nnx.split(model)` once, then call this per step.
+    Same arguments and result as `Llama.__call__`; the cache is donated and updated in place."""
+    model = nnx.merge(graphdef, state)
+    return model(tokens, positions, cache, md, logits_indices, backend=backend)
