@@ -180,7 +180,9 @@ class LLMEngine:
         self.scheduler.observe(jax.device_get(snapshot))
 
     def _block_versions(self, ids):
-        return runner.block_versions(self.state.pool, ids)
+        padded = np.zeros(self.config.max_blocks_per_seq, np.int32)  # one compiled shape
+        padded[: len(ids)] = ids
+        return np.asarray(runner.block_versions(self.state.pool, padded))[: len(ids)]
 
     def _flags(self, seqs):
         params = [s.request.params for s in seqs]
@@ -266,10 +268,12 @@ class LLMEngine:
         """vLLM's detokenizer stop: scan output tokens one by one; on a match, drop the tokens after
         the one that completed the stop string and cut the text before it."""
         params = seq.request.params
+        seen = len(self.tokenizer.decode(seq.output_ids[: seq.num_stop_checked],
+                                         skip_special_tokens=params.skip_special_tokens))
         for k in range(seq.num_stop_checked + 1, seq.num_output + 1):
             text = self.tokenizer.decode(seq.output_ids[:k], skip_special_tokens=params.skip_special_tokens)
             for stop in params.stop:
-                at = text.find(stop, max(0, len(text) - len(stop) - 16))
+                at = text.find(stop, max(0, seen - len(stop) + 1))  # only matches this token completes
                 if at >= 0:
                     del seq.token_ids[seq.num_prompt_tokens + k:]
                     if seq.logprobs:
@@ -277,6 +281,7 @@ class LLMEngine:
                     seq.stop_reason = stop
                     seq.text_end = at + (len(stop) if params.include_stop_str_in_output else 0)
                     return Status.FINISHED_STOPPED
+            seen = len(text)
         seq.num_stop_checked = seq.num_output
         return None
 

@@ -1,0 +1,91 @@
+"""The engine end to end on a small random Llama: greedy tokens against Hugging Face `generate`, in
+the configurations that exercise each mechanism (plain, preemption, prefix caching, chunked
+prefill), with the pool back to all blocks free afterwards."""
+import numpy as np
+import pytest
+
+from paged_jax import LLM, SamplingParams
+from paged_jax import block_pool as bp
+from tests.models.model_testing import tiny_config
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+NEW_TOKENS = 32
+SHARED = list(range(3, 27))  # a 24-token common prefix: three full blocks of 8
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    """A random HF LlamaForCausalLM saved to disk, its prompts and its greedy continuations."""
+    config = tiny_config()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config.to_hf_config())).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            z = torch.randn(p.shape)
+            p.copy_(z / p.shape[1] ** 0.5 if p.ndim == 2 else 1 + 0.1 * z if "norm" in name else 0.1 * z)
+    path = tmp_path_factory.mktemp("hf") / "llama"
+    model.save_pretrained(path)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (7, 19, 26, 33)]
+    prompts += [SHARED + rng.integers(0, config.vocab_size, n).tolist() for n in (3, 9, 14)]
+    model.generation_config.eos_token_id = None
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+            expected.append(out[0, len(prompt):].tolist())
+    return path, prompts, expected
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def assert_pool_drained(llm):
+    engine = llm.engine
+    pool = engine.state.pool
+    bp.check_invariants(pool)
+    assert int(bp.num_free(pool)) == engine.config.num_blocks - 1
+    assert np.asarray(pool.ref_cnt).tolist() == [0] * engine.config.num_blocks
+    assert llm.stats()["kv_cache_usage"] == 0.0
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("plain", dict(num_blocks=64, max_num_seqs=4)),
+    ("preemption", dict(num_blocks=16, max_num_seqs=4)),
+    ("chunked prefill", dict(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=8,
+                             long_prefill_token_threshold=6)),
+])
+def test_greedy_matches_hugging_face(hf_llama, name, kwargs):
+    path, prompts, expected = hf_llama
+    llm = LLM(str(path), block_size=8, enable_prefix_caching=False, log_stats=False, **kwargs)
+    outs = llm.generate(prompts[:4], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected[:4]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    stats = llm.stats()
+    if name == "preemption":
+        assert stats["num_preemptions"] > 0
+    else:
+        assert stats["num_preemptions"] == 0
+    if name == "chunked prefill":  # 85 prompt tokens through a budget of 8 tokens a step
+        assert stats["prefill_steps"] >= -(-sum(len(p) for p in prompts[:4]) // 8)
+    assert_pool_drained(llm)
+
+
+def test_prefix_caching_hits_and_matches_hugging_face(hf_llama):
+    path, prompts, expected = hf_llama
+    llm = LLM(str(path), block_size=8, num_blocks=64, max_num_seqs=4, log_stats=False)
+    first = llm.generate([prompts[4]], GREEDY)
+    assert first[0].num_cached_tokens == 0
+    rest = llm.generate(prompts[5:], GREEDY)
+    assert [o.outputs[0].token_ids for o in first + rest] == expected[4:]
+    assert [o.num_cached_tokens for o in rest] == [24, 24]  # the shared three blocks, block-aligned
+    stats = llm.stats()
+    assert stats["prefix_cache_hits"] == 48
+    assert stats["prefix_cache_queries"] == sum(len(p) for p in prompts[4:])
+    # A repeated prompt hits its own prompt blocks and the output blocks its first run cached.
+    again = llm.generate([prompts[4] + expected[4][:16]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert again[0].num_cached_tokens == 40
+    assert again[0].outputs[0].token_ids == expected[4][16:20]
+    assert_pool_drained(llm)

@@ -1,0 +1,226 @@
+"""The engine's vLLM behaviours on a small random Llama: scheduling, stops, parallel sampling with
+forked blocks, seeds, penalties, logprobs, bad input, abort and streaming, compile counts."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tokenizers
+
+from models.tokenizer import Tokenizer
+from paged_jax import LLM, LLMEngine, SamplingParams
+from paged_jax import block_pool as bp
+from tests.models.model_testing import dense_logits, random_model, tiny_config
+
+PROMPT = [5, 17, 99, 3, 42, 8, 61, 20, 7, 33, 90, 14]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(tiny_config(max_position_embeddings=1024, eos_token_id=None))
+
+
+def make_llm(model, **kwargs):
+    args = dict(block_size=8, num_blocks=96, max_num_seqs=4, log_stats=False)
+    return LLM(model, **{**args, **kwargs})
+
+
+def greedy_reference(model, prompt, n, penalty=None):
+    """Greedy continuation from the dense forward; `penalty` = (repetition, frequency, presence)."""
+    tokens = list(prompt)
+    for _ in range(n):
+        logits = np.asarray(dense_logits(model, jnp.array([tokens]))[0, -1], np.float64)
+        if penalty:
+            rep, freq, pres = penalty
+            out = np.bincount(tokens[len(prompt):], minlength=logits.size)
+            seen = (np.bincount(prompt, minlength=logits.size) > 0) | (out > 0)
+            logits[seen] = np.where(logits[seen] > 0, logits[seen] / rep, logits[seen] * rep)
+            logits -= freq * out + pres * (out > 0)
+        tokens.append(int(np.argmax(logits)))
+    return tokens[len(prompt):]
+
+
+def drained(llm):
+    pool = llm.engine.state.pool
+    bp.check_invariants(pool)
+    return int(bp.num_free(pool)) == llm.engine.config.num_blocks - 1
+
+
+def test_concurrent_partial_prefills_follow_vllm(model):
+    """vLLM's test_schedule_concurrent_partial_requests: budget 1024, threshold 400, 3 x 800 tokens."""
+    llm = make_llm(model, block_size=16, num_blocks=200, max_num_batched_tokens=1024,
+                   long_prefill_token_threshold=400, max_model_len=1024)
+    engine, steps = llm.engine, []
+    schedule = engine.scheduler.schedule
+
+    def spy(*args):
+        plan = schedule(*args)
+        steps.append([n for _, n in sorted(plan.scheduled, key=lambda item: item[0].slot)])
+        return plan
+
+    engine.scheduler.schedule = spy
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        engine.add_request(str(i), rng.integers(0, 128, 800).tolist(), SamplingParams(max_tokens=2, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert steps == [[400, 400, 224], [400, 400, 224], [1, 1, 352]]
+
+
+def test_stops_follow_vllms_check_stop(model):
+    g = greedy_reference(model, PROMPT, 12)
+    stop_token = g[3]
+    assert stop_token not in g[:3]
+    llm = make_llm(model)
+    outs = llm.generate([PROMPT] * 4, [
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_token]),
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_token], min_tokens=6),
+        SamplingParams(temperature=0.0, max_tokens=5),
+        SamplingParams(temperature=0.0, max_tokens=12),
+    ])
+    first, masked, capped, full = (o.outputs[0] for o in outs)
+    assert (first.token_ids, first.finish_reason, first.stop_reason) == (g[:4], "stop", stop_token)
+    assert masked.token_ids[:3] == g[:3] and stop_token not in masked.token_ids[:5]  # masked below min_tokens
+    assert len(masked.token_ids) >= 6
+    assert (capped.token_ids, capped.finish_reason) == (g[:5], "length")
+    assert (full.token_ids, full.finish_reason) == (g, "length")
+
+    # EOS: the model's own; ignore_eos runs past it.
+    eos_model = random_model(tiny_config(max_position_embeddings=1024, eos_token_id=stop_token))
+    llm = make_llm(eos_model)
+    eos, ignored = llm.generate([PROMPT] * 2, [SamplingParams(temperature=0.0, max_tokens=12),
+                                               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)])
+    assert (eos.outputs[0].token_ids, eos.outputs[0].finish_reason, eos.outputs[0].stop_reason) == (g[:4], "stop", None)
+    assert ignored.outputs[0].token_ids == g
+    assert drained(llm)
+
+
+def test_stop_strings_cut_the_text(model):
+    vocab = {f"w{i}": i for i in range(128)}
+    inner = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    inner.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    inner.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok = Tokenizer(inner, eos_token_ids=(), bos_token_id=None)
+    g = greedy_reference(model, PROMPT, 10)
+    llm = make_llm(model, tokenizer=tok)
+    stop = f"w{g[4]} w{g[5]}"
+    out = llm.generate([" ".join(f"w{t}" for t in PROMPT)],
+                       SamplingParams(temperature=0.0, max_tokens=10, stop=[stop]))[0].outputs[0]
+    assert out.token_ids == g[:6] and out.stop_reason == stop and out.finish_reason == "stop"
+    assert out.text == " ".join(f"w{t}" for t in g[:4]) + " "
+
+
+def test_parallel_samples_fork_the_prompt_blocks(model):
+    prompt = list(range(1, 21))  # 20 tokens: two full blocks of 8 and a partial one
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=4, ignore_eos=True, seed=7)
+    llm = make_llm(model, enable_prefix_caching=False)
+    out = llm.generate([prompt], params)[0]
+    samples = [tuple(c.token_ids) for c in out.outputs]
+    assert len(set(samples)) == 4 and [c.index for c in out.outputs] == [0, 1, 2, 3]
+    # 3 prompt blocks shared, 3 forked tails: 6 blocks, against 4 x 3 for separate requests.
+    assert llm.stats()["peak_blocks_used"] == 6
+    separate = make_llm(model, enable_prefix_caching=False)
+    separate.generate([prompt] * 4, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True))
+    assert separate.stats()["peak_blocks_used"] == 12
+    again = make_llm(model).generate([prompt, PROMPT], [params, SamplingParams(max_tokens=3)])[0]
+    assert [tuple(c.token_ids) for c in again.outputs] == samples
+    assert drained(llm)
+
+
+def test_a_seed_gives_the_same_tokens_whatever_shares_the_batch(model):
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=10, seed=123, ignore_eos=True)
+    alone = make_llm(model).generate([PROMPT], params)[0].outputs[0].token_ids
+    others = [list(range(i, i + 9)) for i in (30, 50, 70)]
+    crowd = make_llm(model).generate(others + [PROMPT], [SamplingParams(temperature=1.0, max_tokens=7)] * 3 + [params])
+    assert crowd[3].outputs[0].token_ids == alone
+    # Preempted and recomputed, a seeded request resumes the same stream.
+    tight = make_llm(model, num_blocks=9)
+    out = tight.generate(others + [PROMPT], [SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)] * 3 + [params])
+    assert tight.stats()["num_preemptions"] > 0 and out[3].outputs[0].token_ids == alone
+
+
+def test_penalties_match_a_dense_reference(model):
+    penalty = (1.4, 0.6, 0.3)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=penalty[0],
+                            frequency_penalty=penalty[1], presence_penalty=penalty[2])
+    outs = make_llm(model).generate([PROMPT, PROMPT], [params, SamplingParams(temperature=0.0, max_tokens=10)])
+    assert outs[0].outputs[0].token_ids == greedy_reference(model, PROMPT, 10, penalty)
+    assert outs[1].outputs[0].token_ids == greedy_reference(model, PROMPT, 10)
+
+
+def test_logprobs_are_the_models_log_softmax(model):
+    out = make_llm(model).generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=3, logprobs=2))[0].outputs[0]
+    tokens = PROMPT + out.token_ids
+    logits = np.asarray(dense_logits(model, jnp.array([tokens]))[0], np.float64)
+    ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    total = 0.0
+    for j, entry in enumerate(out.logprobs):
+        row = ref[len(PROMPT) - 1 + j]
+        best = np.argsort(-row)[:2]
+        assert set(entry) == {out.token_ids[j], *best.tolist()}
+        assert entry[out.token_ids[j]].rank == 1
+        for tid, lp in entry.items():
+            assert lp.logprob == pytest.approx(row[tid], abs=1e-5)
+        total += row[out.token_ids[j]]
+    assert out.cumulative_logprob == pytest.approx(total, abs=1e-4)
+
+
+def test_bad_input_is_refused_and_the_rest_runs(model):
+    llm = make_llm(model, max_model_len=40)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate([PROMPT, []])
+    with pytest.raises(ValueError, match=r"prompt token ids \[128\] are outside \[0, 128\)"):
+        llm.generate([PROMPT, [1, 128]])
+    assert not llm.engine.has_unfinished_requests()
+    long, ok, capped = llm.generate([list(range(45)), PROMPT, PROMPT],
+                                    [SamplingParams(max_tokens=4), SamplingParams(temperature=0.0, max_tokens=4),
+                                     SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)])
+    assert long.outputs[0].finish_reason == "error" and "45 tokens, max_model_len is 40" in long.error
+    assert ok.outputs[0].token_ids == greedy_reference(model, PROMPT, 4)
+    assert capped.outputs[0].finish_reason == "length" and len(capped.outputs[0].token_ids) == 40 - len(PROMPT)
+    assert drained(llm)
+
+
+def test_streaming_steps_and_abort(model):
+    engine = LLMEngine(model, block_size=8, num_blocks=64, max_num_seqs=4, num_decode_steps=4, log_stats=False)
+    engine.add_request("a", PROMPT, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    engine.add_request("b", PROMPT[:5], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    seen = {"a": [], "b": []}
+    for _ in range(2):
+        for out in engine.step():
+            seen[out.request_id].append(len(out.outputs[0].token_ids))
+    engine.abort_request("b")
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out.outputs[0]
+    assert seen["a"] == [1, 5] and seen["b"] == [1, 5]  # prefill step, then 4 decode steps at a time
+    assert finals["b"].finish_reason == "abort" and len(finals["b"].token_ids) == 5
+    assert finals["a"].token_ids == greedy_reference(model, PROMPT, 12)
+    assert int(bp.num_free(engine.state.pool)) == 63
+
+
+def test_a_steady_workload_compiles_nothing_new(model):
+    compiles = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    llm = make_llm(model, max_num_seqs=3)  # shapes no other test compiled
+    rng = np.random.default_rng(0)
+
+    def wave(lengths):
+        prompts = [rng.integers(0, 128, n).tolist() for n in lengths]
+        llm.generate(prompts, SamplingParams(temperature=0.7, max_tokens=int(rng.integers(5, 20))))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for lengths in ([14] * 3, [8] * 3, [3] * 3, [14, 3, 8, 5, 11, 2]):  # warm-up: every bucket
+            wave(lengths)
+        warm = len(compiles)
+        for _ in range(3):
+            wave(rng.integers(2, 15, 6))
+        assert warm > 0 and len(compiles) == warm
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
