@@ -15,7 +15,8 @@ from flax import nnx
 
 from paged_jax import batching, block_pool, config as config_lib, runner
 from paged_jax.attention import resolve_backend
-from paged_jax.outputs import CompletionOutput, Logprob, RequestOutput
+from paged_jax.output_processor import OutputProcessor
+from paged_jax.outputs import RequestOutput
 from paged_jax.prefix_cache import PrefixCache
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.scheduler import Plan, Scheduler
@@ -29,6 +30,7 @@ class LLMEngine:
                  enable_prefix_caching=True, attention_backend="auto", seed=0, log_stats=True):
         self.model_config = model.config
         self.tokenizer = tokenizer
+        self.output_processor = OutputProcessor(tokenizer)
         kv_dtype = np.dtype(model.config.dtype)
         self.config = config_lib.resolve(
             model.config, block_size=block_size, num_blocks=num_blocks,
@@ -67,7 +69,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids = self._tokenize(prompt)
+        text, ids = self.tokenize_prompt(prompt)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {params.stop!r} need a tokenizer to detokenize the output")
         now = time.monotonic()
@@ -94,7 +96,8 @@ class LLMEngine:
         parent.children = request.seqs[1:]
         self.scheduler.add(parent)
 
-    def _tokenize(self, prompt):
+    def tokenize_prompt(self, prompt):
+        """(text or None, token ids) of a prompt; ValueError naming what is wrong with it."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids or a model with tokenizer.json")
@@ -166,7 +169,7 @@ class LLMEngine:
         outputs = []
         for request_id in touched:
             request = self.requests[request_id]
-            outputs.append(self._output(request))
+            outputs.append(self.output_processor.make_output(request))
             if request.finished:
                 del self.requests[request_id]
         return outputs
@@ -236,76 +239,25 @@ class LLMEngine:
             request = seq.request
             touched.add(request.request_id)
             request.first_token_time = request.first_token_time or now
+            before = seq.num_output
             for j in range(taken):
-                self._append(seq, out, j)
-            self.counters["generation_tokens"] += taken
+                self.output_processor.append(seq, out, j)
             code = int(out["finish"][seq.slot])
             status = {1: Status.FINISHED_STOPPED, 2: Status.FINISHED_LENGTH}.get(code)
             if status is Status.FINISHED_STOPPED and seq.token_ids[-1] in request.params.stop_token_ids:
                 seq.stop_reason = seq.token_ids[-1]
             if request.params.stop:
-                status = self._check_stop_strings(seq) or status
+                status = self.output_processor.check_stop_strings(seq) or status
+            self.counters["generation_tokens"] += seq.num_output - before
             if status is not None:
                 self._finish(seq, status)
         return touched
-
-    def _append(self, seq, out, j):
-        token = int(out["tokens"][seq.slot, j])
-        seq.token_ids.append(token)
-        lp = float(out["logprob"][seq.slot, j])
-        seq.cumulative_logprob += lp
-        if seq.request.params.logprobs is not None:
-            entry = {token: Logprob(lp, int(out["rank"][seq.slot, j]), self._decode_one(token))}
-            n = seq.request.params.logprobs
-            for r, (tid, tlp) in enumerate(zip(out["top_ids"][seq.slot, j][:n], out["top_logprobs"][seq.slot, j][:n])):
-                entry.setdefault(int(tid), Logprob(float(tlp), r + 1, self._decode_one(int(tid))))
-            seq.logprobs = (seq.logprobs or []) + [entry]
-
-    def _decode_one(self, token):
-        return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else None
-
-    def _check_stop_strings(self, seq) -> Status | None:
-        """vLLM's detokenizer stop: scan output tokens one by one; on a match, drop the tokens after
-        the one that completed the stop string and cut the text before it."""
-        params = seq.request.params
-        seen = len(self.tokenizer.decode(seq.output_ids[: seq.num_stop_checked],
-                                         skip_special_tokens=params.skip_special_tokens))
-        for k in range(seq.num_stop_checked + 1, seq.num_output + 1):
-            text = self.tokenizer.decode(seq.output_ids[:k], skip_special_tokens=params.skip_special_tokens)
-            for stop in params.stop:
-                at = text.find(stop, max(0, seen - len(stop) + 1))  # only matches this token completes
-                if at >= 0:
-                    del seq.token_ids[seq.num_prompt_tokens + k:]
-                    if seq.logprobs:
-                        del seq.logprobs[k:]
-                    seq.stop_reason = stop
-                    seq.text_end = at + (len(stop) if params.include_stop_str_in_output else 0)
-                    return Status.FINISHED_STOPPED
-            seen = len(text)
-        seq.num_stop_checked = seq.num_output
-        return None
 
     def _finish(self, seq, status):
         self.scheduler.cache_full_blocks(seq)
         self.scheduler.finish(seq, status)
         if seq.request.finished:
             seq.request.finish_time = time.monotonic()
-
-    def _output(self, request: Request) -> RequestOutput:
-        completions = []
-        for seq in request.seqs:
-            text = ""
-            if self.tokenizer is not None:
-                text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=request.params.skip_special_tokens)
-                text = text[: seq.text_end]
-            completions.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=list(seq.output_ids),
-                cumulative_logprob=seq.cumulative_logprob if request.params.logprobs is not None else None,
-                logprobs=seq.logprobs, finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason))
-        metrics = dict(arrival_time=request.arrival_time, first_token_time=request.first_token_time,
-                       finish_time=request.finish_time)
-        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), completions,
-                             request.finished, request.num_cached_tokens or 0, request.error, metrics)
 
     # -- penalties -----------------------------------------------------------------------------
 

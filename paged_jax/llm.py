@@ -69,7 +69,7 @@ class LLM:
             salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
             if isinstance(prompt, dict):
                 prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
-            self.engine._tokenize(prompt)
+            self.engine.tokenize_prompt(prompt)
             requests.append((f"gen-{next(self._ids)}", prompt, params, salt))
         for request_id, prompt, params, salt in requests:
             self.engine.add_request(request_id, prompt, params, cache_salt=salt)

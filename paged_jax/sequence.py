@@ -36,8 +36,8 @@ class Sequence:
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
     num_cached_blocks: int = 0  # leading full blocks already in the prefix cache
     children: list[Sequence] = dataclasses.field(default_factory=list)  # forked once the prompt is in
-    logprobs: list[dict] | None = None
-    cumulative_logprob: float = 0.0
+    token_logprobs: list[float] = dataclasses.field(default_factory=list)  # of each output token
+    logprobs: list[dict] | None = None  # top-N entries per output token, when asked for
     stop_reason: int | str | None = None
     num_stop_checked: int = 0  # output tokens already scanned for stop strings
     text_end: int | None = None  # where a stop string cuts the output text
