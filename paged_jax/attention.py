@@ -86,7 +86,8 @@ def cache_layout(backend: str) -> str:
 
 
 def copy_blocks(cache: KVCache, src, dst, *, backend: str = "reference") -> KVCache:
-    """Copy pool blocks `src` -> `dst` (i32[n], -1 = skip) in every layer (copy-on-write)."""
+    """Copy pool blocks `src` -> `dst` (i32[n], -1 = skip) in every layer (copy-on-write). The
+    Pallas backends use the copy kernel; a "tpu" cache is copied in its own layout."""
     offsets = cache.num_blocks * jnp.arange(cache.num_layers, dtype=jnp.int32)[:, None]
     src = jnp.where(src >= 0, src[None, :] + offsets, -1).reshape(-1)
     dst = jnp.where(dst >= 0, dst[None, :] + offsets, -1).reshape(-1)
@@ -150,7 +151,7 @@ def attend(
 
 
 def resolve_backend(backend: str = "auto") -> str:
-    """`auto`: Pallas through Triton on GPU, jax's TPU kernel on TPU, the jnp references elsewhere."""
+    """`auto`: Pallas through Triton on GPU, jax's TPU kernel on TPU, jnp references elsewhere."""
     if backend == "auto":
         return {"gpu": "pallas", "tpu": "tpu"}.get(jax.default_backend(), "reference")
     if backend not in BACKENDS:

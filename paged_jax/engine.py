@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from paged_jax import batching, block_pool, config as config_lib, runner
-from paged_jax.attention import resolve_backend
+from paged_jax.attention import cache_layout, resolve_backend
 from paged_jax.output_processor import OutputProcessor
 from paged_jax.outputs import RequestOutput
 from paged_jax.prefix_cache import PrefixCache
@@ -45,7 +45,8 @@ class LLMEngine:
         self.graphdef, self.params = nnx.split(model)
         pool = block_pool.init(c.num_blocks, c.block_size, c.max_num_seqs, c.max_blocks_per_seq)
         empty = np.zeros((c.max_num_seqs, 0))
-        self.state = runner.DeviceState(cache=model.init_cache(c.num_blocks, c.block_size), pool=pool,
+        cache = model.init_cache(c.num_blocks, c.block_size, layout=cache_layout(c.attention_backend))
+        self.state = runner.DeviceState(cache=cache, pool=pool,
                                         output_counts=empty.astype(np.int32), prompt_mask=empty.astype(bool))
         self.prefix_cache = PrefixCache(enabled=c.enable_prefix_caching)
         self.scheduler = Scheduler(

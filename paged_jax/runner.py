@@ -102,7 +102,7 @@ def prefill_step(graphdef, params, state: DeviceState, ops: HostOps, batch: dict
     num_slots = pool.max_seqs
     none = jnp.full((num_slots,), -1, jnp.int32)
     pool, src, dst, forked = jax.lax.fori_loop(0, num_slots, fork_one, (pool, none, none, jnp.array(True)))
-    cache = copy_blocks(cache, src, dst)
+    cache = copy_blocks(cache, src, dst, backend=flags.backend)
 
     live = batch["logits_rows"] >= 0
     tokens, logprob, rank, top_ids, top_lps = sampler.sample(

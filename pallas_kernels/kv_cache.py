@@ -1,7 +1,139 @@
-"""Writing new K/V into the pages, and copying whole blocks (copy-on-write after a fork)."""
+"""Writing new K/V into the pages, and copying whole blocks (copy-on-write after a fork).
+
+Both kernels alias the pages in to the pages out (input_output_aliases), so when the caller donates
+the pages (as the model's jitted step does) XLA hands the kernel the cache buffer itself and only
+the written slots move. XLA's own scatter is also in place on a donated buffer, but XLA:GPU updates
+through atomics unless the indices are declared unique, and -1 entries are not; these kernels are
+plain vectorised stores, one program per (32 tokens or one block pair, KV head). The jnp
+references are the scatter versions, and the CPU path."""
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import checks
+from pallas_kernels.online_softmax import pow2_at_least
+from pallas_kernels.triton_call import triton_call
+
+BLOCK_TOKENS = 32  # tokens per write_kv program
+TILE_ELEMENTS = 4096  # elements per copy_blocks step: 16 KiB of f32 in flight per program
+
+
+def _write_kv_kernel(slots_ref, k_ref, v_ref, _k_in, _v_in, k_pages_ref, v_pages_ref, *, head_dim):
+    # slots_ref: i32[num_tokens]; k_ref, v_ref: [num_tokens, num_kv_heads, head_dim]
+    # _k_in, _v_in: the aliased page inputs (same buffers as the outputs; unused)
+    # k_pages_ref, v_pages_ref: [num_kv_heads, num_blocks, block_size, head_dim]
+    chunk, head = pl.program_id(0), pl.program_id(1)
+    num_tokens = slots_ref.shape[0]
+    _, num_blocks, block_size, _ = k_pages_ref.shape
+    tok = chunk * BLOCK_TOKENS + jnp.arange(BLOCK_TOKENS)
+    slot = plgpu.load(slots_ref.at[tok], mask=tok < num_tokens, other=-1)
+    ok = (slot >= 0) & (slot < num_blocks * block_size)  # -1 (padding) and strays are skipped
+    block = jnp.where(ok, jax.lax.div(slot, block_size), num_blocks)  # skipped: never stored
+    offset = jnp.where(ok, jax.lax.rem(slot, block_size), 0)
+    dims = jnp.arange(pow2_at_least(head_dim, 16))[None, :]
+    mask = ok[:, None] & (dims < head_dim)
+    for src, dst in ((k_ref, k_pages_ref), (v_ref, v_pages_ref)):
+        x = plgpu.load(src.at[tok[:, None], head, dims], mask=mask, other=0)
+        plgpu.store(dst.at[head, block[:, None], offset[:, None], dims], x.astype(dst.dtype),
+                    mask=mask)
+
+
+def _copy_blocks_kernel(src_ref, dst_ref, _k_in, _v_in, k_pages_ref, v_pages_ref, *, head_dim):
+    # src_ref, dst_ref: i32[num_pairs]; _k_in, _v_in: the aliased page inputs (unused)
+    # k_pages_ref, v_pages_ref: [num_kv_heads, num_blocks, block_size, head_dim]
+    pair, head = pl.program_id(0), pl.program_id(1)
+    _, num_blocks, block_size, _ = k_pages_ref.shape
+    src, dst = src_ref[pair], dst_ref[pair]
+    ok = (src >= 0) & (src < num_blocks) & (dst >= 0) & (dst < num_blocks)
+    dims = jnp.arange(pow2_at_least(head_dim, 16))[None, :]
+    rows = min(pow2_at_least(block_size), max(1, TILE_ELEMENTS // dims.shape[1]))
+
+    def step(j, carry):
+        offset = j * rows + jnp.arange(rows)
+        mask = (offset < block_size)[:, None] & (dims < head_dim)
+        for ref in (k_pages_ref, v_pages_ref):
+            x = plgpu.load(ref.at[head, src, offset[:, None], dims], mask=mask, other=0)
+            plgpu.store(ref.at[head, dst, offset[:, None], dims], x, mask=mask)
+        return carry
+
+    jax.lax.fori_loop(0, jnp.where(ok, pl.cdiv(block_size, rows), 0), step, 0)
+
+
+def _call(kernel, grid, inputs, k_pages, v_pages, name, interpret):
+    """The pages are the last two inputs and alias the two outputs."""
+    n = len(inputs)
+    out_shape = (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                 jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype))
+    return triton_call(kernel, (*inputs, k_pages, v_pages), out_shape, grid=grid, name=name,
+                       aliases={n: 0, n + 1: 1}, interpret=interpret, num_warps=4, num_stages=1)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _write_kv(k_pages, v_pages, k, v, slot_mapping, *, interpret):
+    num_tokens, num_kv_heads, head_dim = k.shape
+    kernel = functools.partial(_write_kv_kernel, head_dim=head_dim)
+    grid = (pl.cdiv(num_tokens, BLOCK_TOKENS), num_kv_heads)
+    return _call(kernel, grid, (slot_mapping.astype(jnp.int32), k, v), k_pages, v_pages,
+                 "write_kv", interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _copy_blocks(k_pages, v_pages, src, dst, *, interpret):
+    kernel = functools.partial(_copy_blocks_kernel, head_dim=k_pages.shape[3])
+    return _call(kernel, (src.shape[0], k_pages.shape[0]), (src.astype(jnp.int32),
+                 dst.astype(jnp.int32)), k_pages, v_pages, "copy_blocks", interpret)
+
+
+def write_kv(
+    k_pages,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    v_pages,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    k,  # [num_tokens, num_kv_heads, head_dim]
+    v,  # [num_tokens, num_kv_heads, head_dim]
+    slot_mapping,  # i32[num_tokens]; block_id * block_size + offset, -1 = skip
+    *,
+    interpret=False,
+):
+    """-> (k_pages, v_pages) with token t's K/V at its slot. Slots must be unique (vLLM's
+    slot_mapping is); donate the pages to update them in place."""
+    num_kv_heads, _, _, head_dim = checks.check_pages(k_pages, v_pages)
+    checks.check_rank("k", k, 3)
+    num_tokens = jnp.shape(k)[0]
+    if tuple(jnp.shape(k)) != (num_tokens, num_kv_heads, head_dim) or jnp.shape(v) != jnp.shape(k):
+        raise ValueError(f"k and v must be [num_tokens, {num_kv_heads}, {head_dim}] like the "
+                         f"pages, got k {jnp.shape(k)}, v {jnp.shape(v)}")
+    checks.check_int("slot_mapping", slot_mapping, (num_tokens,))
+    if head_dim > checks.MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} is not supported (1..{checks.MAX_HEAD_DIM})")
+    if num_tokens == 0:
+        return k_pages, v_pages
+    return _write_kv(k_pages, v_pages, k, v, slot_mapping, interpret=bool(interpret))
+
+
+def copy_blocks(
+    k_pages,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    v_pages,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    src,  # i32[n]; -1 = skip
+    dst,  # i32[n]; -1 = skip
+    *,
+    interpret=False,
+):
+    """-> (k_pages, v_pages) with block dst[i] a copy of block src[i] in every KV head. The dst
+    blocks are fresh (a fork's copy of a partial tail, vLLM's copy-on-write): distinct, and not
+    among the src blocks."""
+    _, _, _, head_dim = checks.check_pages(k_pages, v_pages)
+    checks.check_rank("src", src, 1)
+    checks.check_int("src", src, jnp.shape(src))
+    checks.check_int("dst", dst, jnp.shape(src))
+    if head_dim > checks.MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} is not supported (1..{checks.MAX_HEAD_DIM})")
+    if jnp.shape(src)[0] == 0:
+        return k_pages, v_pages
+    return _copy_blocks(k_pages, v_pages, src, dst, interpret=bool(interpret))
 
 
 def write_kv_reference(
@@ -12,7 +144,8 @@ def write_kv_reference(
     slot_mapping,  # i32[num_tokens]; block_id * block_size + offset, -1 = skip
 ):
     num_blocks, block_size = k_pages.shape[1:3]
-    block = jnp.where(slot_mapping >= 0, slot_mapping // block_size, num_blocks)  # out of range: dropped
+    # -1 -> an out-of-range block, which the scatter drops
+    block = jnp.where(slot_mapping >= 0, slot_mapping // block_size, num_blocks)
     offset = slot_mapping % block_size
     k_pages = k_pages.at[:, block, offset].set(k.swapaxes(0, 1).astype(k_pages.dtype), mode="drop")
     v_pages = v_pages.at[:, block, offset].set(v.swapaxes(0, 1).astype(v_pages.dtype), mode="drop")

@@ -1,14 +1,169 @@
 """Ragged paged attention: any number of query tokens per sequence, causal (prefill, chunked prefill
-and decode rows in one batch), reading K/V through block tables."""
+and decode rows in one batch), reading K/V through block tables.
+
+Kernel (Pallas, lowered through Triton): the wrapper builds, in XLA, a tile table of static size
+`num_tokens // block_q + num_seqs + 1` (an upper bound on the sum over sequences of
+cdiv(q_len, block_q), plus the padding tokens past query_start_loc[-1] as one more sequence)
+mapping each program to (sequence, first query token). Grid (num_tiles, num_kv_heads): a program
+folds its tile's block_q tokens x G query heads into block_m rows (vLLM's unified Triton attention
+does the same), so a K/V tile is loaded once for all of them, and visits the KV tiles from its
+first token's window start to its last token's causal end. The padding tokens' tiles write zeros,
+tiles past the last real one write nothing: every output element is written exactly once.
+Tile sizes are untuned defaults (no GPU was at hand): pass block_m, block_n, num_warps and
+num_stages to tune."""
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from pallas_kernels import checks
+from pallas_kernels.online_softmax import (MASK_VALUE, attend_tiles, normalize, pow2_at_least,
+                                           tile_ranges)
+from pallas_kernels.triton_call import triton_call
 
 
-def _token_spans(block_tables, seq_lens, query_start_loc, num_tokens, sliding_window):
+def _ragged_kernel(tile_seq_ref, tile_start_ref, qsl_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,
+                   *out_refs, group, block_m, block_n, head_dim, num_heads, sm_scale, soft_cap,
+                   sliding_window):
+    # tile_seq_ref: i32[num_tiles], the tile's sequence (num_seqs: the padding tokens)
+    # tile_start_ref: i32[num_tiles], the tile's first query token
+    # qsl_ref: i32[num_seqs + 1], non-decreasing within [0, num_tokens]
+    # lens_ref: i32[num_seqs]; tables_ref: i32[num_seqs, max_blocks_per_seq]
+    # q_ref: [num_tokens * num_heads, head_dim]
+    # k_ref, v_ref: [num_blocks, block_size, head_dim] (this program's KV head)
+    # out_refs: o_ref [num_tokens * num_heads, head_dim] (an aliased `out` input comes first)
+    o_ref = out_refs[-1]
+    tile, head = pl.program_id(0), pl.program_id(1)
+    num_seqs = lens_ref.shape[0]
+    num_rows = q_ref.shape[0]
+    num_tokens = num_rows // num_heads
+    seq, start = tile_seq_ref[tile], tile_start_ref[tile]
+    real = seq < num_seqs
+    q_start = qsl_ref[seq]
+    q_end = jnp.where(real, qsl_ref[jnp.minimum(seq + 1, num_seqs)], num_tokens)
+    max_len = tables_ref.shape[1] * k_ref.shape[1]
+    length = jnp.where(real, jnp.clip(lens_ref[jnp.minimum(seq, num_seqs - 1)], 0, max_len), 0)
+    n_tok = jnp.clip(q_end - start, 0, block_m // group)
+
+    r = jnp.arange(block_m)
+    i = r // group  # token within the tile; r % group: query head within the KV head's group
+    live = i < n_tok
+    rows = jnp.where(live, (start + i) * num_heads + head * group + r % group, num_rows)
+    dims = jnp.arange(pow2_at_least(head_dim, 16))[None, :]
+    mask = live[:, None] & (dims < head_dim)
+    q = plgpu.load(q_ref.at[rows[:, None], dims], mask=mask, other=0)
+
+    # Token j of a sequence with q_len tokens sits at position length - q_len + j and sees keys
+    # [pos + 1 - sliding_window, pos]; a token whose position is negative sees nothing.
+    first = length - (q_end - q_start) + (start - q_start)  # position of the tile's first token
+    pos = first + i
+    hi = jnp.where(live & (pos >= 0), pos + 1, 0)
+    hi_min = jnp.maximum(first + 1, 0)
+    hi_max = jnp.where(n_tok > 0, jnp.maximum(first + n_tok, 0), 0)
+    if sliding_window is None:
+        lo = lo_min = lo_max = jnp.zeros_like(hi_max)
+    else:
+        lo = jnp.maximum(hi - sliding_window, 0)[:, None]
+        lo_min = jnp.maximum(hi_min - sliding_window, 0)
+        lo_max = jnp.maximum(hi_max - sliding_window, 0)
+    ranges = tile_ranges(lo_min, lo_max, hi_min, hi_max, block_n)
+    _, l, acc = attend_tiles(q, k_ref, v_ref, tables_ref, jnp.minimum(seq, num_seqs - 1), lo,
+                             hi[:, None], lo_min, hi_max, ranges, block_n=block_n,
+                             head_dim=head_dim, sm_scale=sm_scale, soft_cap=soft_cap)
+    plgpu.store(o_ref.at[rows[:, None], dims], normalize(acc, l).astype(o_ref.dtype), mask=mask)
+
+
+def _tile_table(query_start_loc, num_tokens, block_q, num_tiles):
+    """-> (qsl i32[num_seqs + 1], tile_seq i32[num_tiles], tile_start i32[num_tiles]).
+
+    query_start_loc is clipped to [0, num_tokens] and made non-decreasing, so a malformed one
+    cannot send a program outside q; tiles past the last real one get no tokens."""
+    num_seqs = query_start_loc.shape[0] - 1
+    qsl = jax.lax.cummax(jnp.clip(query_start_loc.astype(jnp.int32), 0, num_tokens))
+    ends = jnp.append(qsl[1:], num_tokens)  # i32[num_seqs + 1]; the last: padding tokens
+    tiles = (ends - qsl + block_q - 1) // block_q
+    cum = jnp.cumsum(tiles)
+    tile = jnp.arange(num_tiles, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(cum, tile, side="right"), num_seqs).astype(jnp.int32)
+    start = qsl[seq] + (tile - (cum[seq] - tiles[seq])) * block_q
+    return qsl, seq, jnp.where(tile < cum[-1], start, num_tokens).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "soft_cap", "sliding_window", "interpret", "block_m", "block_n", "num_warps",
+    "num_stages"))
+def _ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, out, *,
+                            sm_scale, soft_cap, sliding_window, interpret, block_m, block_n,
+                            num_warps, num_stages):
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, num_blocks, block_size, _ = k_pages.shape
+    num_seqs = block_tables.shape[0]
+    group = num_heads // num_kv_heads
+    block_q = block_m // group
+    num_tiles = num_tokens // block_q + num_seqs + 1
+    qsl, tile_seq, tile_start = _tile_table(query_start_loc, num_tokens, block_q, num_tiles)
+    num_rows = num_tokens * num_heads
+    kv_spec = pl.BlockSpec((None, num_blocks, block_size, head_dim), lambda t, h: (h, 0, 0, 0))
+    inputs = [tile_seq, tile_start, qsl, seq_lens.astype(jnp.int32),
+              block_tables.astype(jnp.int32), q.reshape(num_rows, head_dim), k_pages, v_pages]
+    kernel = functools.partial(
+        _ragged_kernel, group=group, block_m=block_m, block_n=block_n, head_dim=head_dim,
+        num_heads=num_heads, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    o = triton_call(
+        kernel, inputs, jax.ShapeDtypeStruct((num_rows, head_dim), q.dtype),
+        grid=(num_tiles, num_kv_heads), name="ragged_paged_attention",
+        in_specs=[pl.no_block_spec] * 6 + [kv_spec, kv_spec],
+        out=None if out is None else out.reshape(num_rows, head_dim), interpret=interpret,
+        num_warps=num_warps, num_stages=num_stages)
+    return o.reshape(q.shape)
+
+
+def ragged_paged_attention(
+    q,  # [num_tokens, num_heads, head_dim]
+    k_pages,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    v_pages,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    block_tables,  # i32[num_seqs, max_blocks_per_seq]
+    seq_lens,  # i32[num_seqs]; 0 marks a padding sequence
+    query_start_loc,  # i32[num_seqs + 1]; sequence s owns q[qsl[s]:qsl[s+1]]
+    *,
+    sm_scale=None,
+    soft_cap=None,
+    sliding_window=None,
+    interpret=False,
+    out=None,  # [num_tokens, num_heads, head_dim]: buffer written in place (aliased), like vLLM's
+    **tuning,  # block_m (query rows per tile: tokens x group heads), block_n, num_warps, num_stages
+):
+    """Sequence s's tokens are the last qsl[s+1] - qsl[s] of its seq_lens[s] tokens and attend
+    causally (and within `sliding_window`); tokens past qsl[num_seqs] give zeros."""
+    num_heads, num_kv_heads, head_dim = checks.check_attention(q, k_pages, v_pages, block_tables,
+                                                               seq_lens, out)
+    num_seqs = block_tables.shape[0]
+    checks.check_int("query_start_loc", query_start_loc, (num_seqs + 1,))
+    checks.check_options(sm_scale, soft_cap, sliding_window)
+    group = num_heads // num_kv_heads
+    wide = head_dim > 128  # a [block_m, head_dim] f32 accumulator: fewer rows when it is wide
+    defaults = dict(block_m=32 if wide else 64, block_n=32 if wide else 64, num_warps=4,
+                    num_stages=2)
+    tuning = checks.check_tuning(tuning, defaults, pow2=("block_m", "block_n", "num_warps"))
+    if tuning["block_n"] < 16:
+        raise ValueError(f"block_n must be >= 16 (the smallest tl.dot), got {tuning['block_n']}")
+    # A tile holds at least one token's whole group, and 16 rows (the smallest tl.dot).
+    tuning["block_m"] = max(tuning["block_m"], pow2_at_least(group, 16))
+    if q.shape[0] == 0 or num_seqs == 0:  # nothing to attend: every token is padding
+        return jnp.zeros_like(q)
+    sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
+    return _ragged_paged_attention(
+        q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, out, sm_scale=float(sm_scale),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        interpret=bool(interpret), **tuning)
+
+
+def token_spans(block_tables, seq_lens, query_start_loc, num_tokens, sliding_window):
     """For every query token: its sequence, and the key positions [lo, hi) it may attend to."""
     num_seqs = block_tables.shape[0]
     tok = jnp.arange(num_tokens)
@@ -40,7 +195,7 @@ def ragged_paged_attention_reference(
     num_kv_heads, _, block_size, _ = k_pages.shape
     group = num_heads // num_kv_heads
     sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
-    seq, lo, hi = _token_spans(block_tables, seq_lens, query_start_loc, num_tokens, sliding_window)
+    seq, lo, hi = token_spans(block_tables, seq_lens, query_start_loc, num_tokens, sliding_window)
 
     max_blocks = block_tables.shape[1]
     chunk = min(blocks_per_chunk, max_blocks)

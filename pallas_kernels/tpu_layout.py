@@ -1,0 +1,84 @@
+"""Our contract over jax's TPU kernel, `jax.experimental.pallas.ops.tpu.ragged_paged_attention`
+(RPA v2), and the cache layout it reads: one array `[num_blocks, block_size, 2 * num_kv_heads,
+head_dim]` with K and V interleaved per KV head (index 2h is K of head h, 2h + 1 its V).
+
+A cache meant for TPU is made in this layout and kept in it, so no call converts pages. jax ships
+no cache-write kernel for it ("TODO: create a write_to_kv_cache kernel!"): the writes here are XLA
+scatters, in place when the pages are donated. Untested on TPU hardware: on CPU the tests run
+this path through that module's own jnp reference, `ref_ragged_paged_attention`."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels import checks
+from pallas_kernels.ragged_paged_attention import token_spans
+
+
+def kv_pages_shape(num_blocks, block_size, num_kv_heads, head_dim):
+    return (num_blocks, block_size, 2 * num_kv_heads, head_dim)
+
+
+def write_kv_tpu(
+    kv_pages,  # [num_blocks, block_size, 2 * num_kv_heads, head_dim]
+    k,  # [num_tokens, num_kv_heads, head_dim]
+    v,  # [num_tokens, num_kv_heads, head_dim]
+    slot_mapping,  # i32[num_tokens]; block_id * block_size + offset, -1 = skip
+):
+    """-> kv_pages with token t's K and V at its slot."""
+    num_blocks, block_size, combined, head_dim = kv_pages.shape
+    num_slots = num_blocks * block_size
+    kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], combined, head_dim)  # K, V per head
+    slots = jnp.where((slot_mapping >= 0) & (slot_mapping < num_slots), slot_mapping, num_slots)
+    flat = kv_pages.reshape(num_slots, combined, head_dim)  # merges major dims: no copy
+    flat = flat.at[slots].set(kv.astype(kv_pages.dtype), mode="drop")
+    return flat.reshape(kv_pages.shape)
+
+
+def copy_blocks_tpu(
+    kv_pages,  # [num_blocks, block_size, 2 * num_kv_heads, head_dim]
+    src,  # i32[n]; -1 = skip
+    dst,  # i32[n]; -1 = skip
+):
+    num_blocks = kv_pages.shape[0]
+    ok = (src >= 0) & (dst >= 0)
+    return kv_pages.at[jnp.where(ok, dst, num_blocks)].set(kv_pages[jnp.where(ok, src, 0)],
+                                                           mode="drop")
+
+
+def ragged_paged_attention_tpu(
+    q,  # [num_tokens, num_heads, head_dim]
+    kv_pages,  # [num_blocks, block_size, 2 * num_kv_heads, head_dim]
+    block_tables,  # i32[num_seqs, max_blocks_per_seq]
+    seq_lens,  # i32[num_seqs]; 0 marks a padding sequence
+    query_start_loc,  # i32[num_seqs + 1]
+    *,
+    sm_scale=None,
+    soft_cap=None,
+    sliding_window=None,
+):
+    """ragged_paged_attention's contract on jax's TPU kernel: its softmax scale defaults to 1, so
+    ours is passed; its output for tokens of empty sequences and past query_start_loc[-1] is
+    undefined (its reference even returns fewer rows), so those tokens are set to zeros here."""
+    # Imported here: the TPU Pallas modules are only needed on TPU (and by the CPU tests).
+    from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
+
+    checks.check_rank("q", q, 3)
+    checks.check_rank("kv_pages", kv_pages, 4)
+    num_tokens, num_heads, head_dim = q.shape
+    if kv_pages.shape[3] != head_dim or kv_pages.shape[2] % 2:
+        raise ValueError("kv_pages must be [num_blocks, block_size, 2 * num_kv_heads, "
+                         f"{head_dim}], got {kv_pages.shape}")
+    if num_heads % (kv_pages.shape[2] // 2):
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
+                         f"{kv_pages.shape[2] // 2}")
+    checks.check_options(sm_scale, soft_cap, sliding_window)
+    num_seqs = block_tables.shape[0]
+    block_tables, seq_lens, query_start_loc = (
+        jnp.asarray(x).astype(jnp.int32) for x in (block_tables, seq_lens, query_start_loc))
+    out = rpa.ragged_paged_attention(
+        q, kv_pages, seq_lens, block_tables, query_start_loc, jnp.array([num_seqs], jnp.int32),
+        sm_scale=head_dim**-0.5 if sm_scale is None else sm_scale, soft_cap=soft_cap,
+        sliding_window=sliding_window)
+    out = jnp.pad(out, ((0, num_tokens - out.shape[0]), (0, 0), (0, 0)))
+    _, lo, hi = token_spans(block_tables, seq_lens, query_start_loc, num_tokens, sliding_window)
+    return jnp.where((hi > lo)[:, None, None], out, 0).astype(q.dtype)

@@ -1,0 +1,68 @@
+"""Our contract over jax's TPU ragged paged attention and its interleaved K/V cache layout, on CPU:
+the kernel itself needs a TPU, so it is swapped for the same module's jnp reference,
+`ref_ragged_paged_attention` (eager only: it loops over the sequences in Python)."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import (copy_blocks_reference, copy_blocks_tpu,
+                            ragged_paged_attention_reference, ragged_paged_attention_tpu,
+                            write_kv_reference, write_kv_tpu)
+from tests.pallas_kernels.paged_batches import TOL, dense_attention, make_batch, rel_err
+
+
+@pytest.fixture
+def tpu_kernel_on_cpu(monkeypatch):
+    rpa = pytest.importorskip("jax.experimental.pallas.ops.tpu.ragged_paged_attention")
+    monkeypatch.setattr(rpa, "ragged_paged_attention", rpa.ref_ragged_paged_attention)
+
+
+def interleave(k_pages, v_pages):
+    """[num_kv_heads, num_blocks, block_size, head_dim] x 2 -> [num_blocks, block_size,
+    2 * num_kv_heads, head_dim] with K of head h at 2h and its V at 2h + 1."""
+    kv = jnp.stack([k_pages, v_pages], axis=1)  # [kv_heads, 2, blocks, block_size, dim]
+    kvh, _, nb, bs, d = kv.shape
+    return kv.transpose(2, 3, 0, 1, 4).reshape(nb, bs, 2 * kvh, d)
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(soft_cap=3.0, sliding_window=11, sm_scale=0.2)])
+def test_ragged_batch_matches_reference(tpu_kernel_on_cpu, opts):
+    seq_lens, q_lens = [9, 1, 29, 8, 7, 0, 16], [1, 1, 7, 8, 7, 0, 10]
+    batch = make_batch(20, seq_lens, q_lens, group=4, block_size=8, pad_tokens=3)
+    names = ("block_tables", "seq_lens", "query_start_loc")
+    out = ragged_paged_attention_tpu(batch["q"], interleave(batch["k_pages"], batch["v_pages"]),
+                                     *(batch[n] for n in names), **opts)
+    reference = ragged_paged_attention_reference(
+        *(batch[n] for n in ("q", "k_pages", "v_pages", *names)), **opts)
+    assert out.shape == batch["q"].shape
+    assert rel_err(out, reference) <= TOL[jnp.float32]
+    assert rel_err(out, dense_attention(batch, **opts)) <= TOL[jnp.float32]
+    assert not np.asarray(out[-3:]).any()
+
+
+def test_decode_batch_padding_rows_are_zeros(tpu_kernel_on_cpu):
+    """A decode batch gives each padding row (seq_len 0) a query token the TPU kernel has no key
+    for; the adapter returns zeros there, as the contract says."""
+    lens = [5, 0, 17, 0]
+    batch = make_batch(21, lens, [1] * 4, group=2, block_size=8)
+    qsl = jnp.arange(5, dtype=jnp.int32)
+    out = ragged_paged_attention_tpu(batch["q"], interleave(batch["k_pages"], batch["v_pages"]),
+                                     batch["block_tables"], batch["seq_lens"], qsl)
+    np.testing.assert_array_equal(np.asarray(out[1]), 0)
+    np.testing.assert_array_equal(np.asarray(out[3]), 0)
+    assert rel_err(out, dense_attention(batch)) <= TOL[jnp.float32]
+
+
+def test_cache_writes_match_the_paged_layout():
+    batch = make_batch(22, [12, 5], [12, 5], num_kv_heads=3, block_size=4)
+    k_pages, v_pages = batch["k_pages"], batch["v_pages"]
+    rng = np.random.default_rng(0)
+    k, v = (jnp.asarray(rng.standard_normal((6, 3, 64)), jnp.float32) for _ in range(2))
+    slots = jnp.array([3, 17, -1, 8, 30, -1], jnp.int32)
+    got = write_kv_tpu(interleave(k_pages, v_pages), k, v, slots)
+    expected = interleave(*write_kv_reference(k_pages, v_pages, k, v, slots))
+    np.testing.assert_array_equal(got, expected)
+    src, dst = jnp.array([1, -1, 2], jnp.int32), jnp.array([6, 3, 7], jnp.int32)
+    got = copy_blocks_tpu(interleave(k_pages, v_pages), src, dst)
+    expected = interleave(*copy_blocks_reference(k_pages, v_pages, src, dst))
+    np.testing.assert_array_equal(got, expected)
