@@ -317,12 +317,14 @@ class Llama(nnx.Module):
         logits_indices,  # i32[num_logits]; rows wanting logits (each sequence's last token)
         *,
         backend: str = "reference",
+        mesh=None,
     ):
-        """Ragged paged forward -> (f32[num_logits, vocab], cache): prefill, chunked prefill, decode."""
+        """Ragged paged forward -> (f32[num_logits, vocab], cache): prefill, chunked prefill, decode.
+        `mesh`: run attention per tensor-parallel shard (see paged_jax.sharding)."""
         sm_scale = self.config.head_dim**-0.5
 
         def paged(q, k, v, cache, layer):
-            return attend(q, k, v, cache, layer, md, backend=backend, sm_scale=sm_scale)
+            return attend(q, k, v, cache, layer, md, backend=backend, sm_scale=sm_scale, mesh=mesh)
 
         with jax.named_scope("embed"):
             x = self.embed[...][tokens]
@@ -350,7 +352,7 @@ class Llama(nnx.Module):
                               jnp.dtype(c.dtype), layout=layout)
 
 
-@functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("backend", "mesh"), donate_argnames=("cache",))
 def forward(
     graphdef: nnx.GraphDef,
     state: nnx.State,
@@ -360,8 +362,9 @@ def forward(
     md: AttentionMetadata,
     logits_indices,  # i32[num_logits]
     backend: str = "reference",
+    mesh=None,
 ):
     """The jitted entry point: `graphdef, state = nnx.split(model)` once, then call this per step.
     Same arguments and result as `Llama.__call__`; the cache is donated and updated in place."""
     model = nnx.merge(graphdef, state)
-    return model(tokens, positions, cache, md, logits_indices, backend=backend)
+    return model(tokens, positions, cache, md, logits_indices, backend=backend, mesh=mesh)

@@ -13,11 +13,14 @@ K/V interleaved that jax's TPU ragged paged attention reads (same layer-major bl
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
+from paged_jax import sharding
 
 BACKENDS = ("reference", "pallas", "pallas-interpret", "tpu")
 LAYOUTS = ("paged", "tpu")
@@ -113,8 +116,25 @@ def attend(
     sm_scale=None,
     soft_cap=None,
     sliding_window=None,
+    mesh=None,
 ):
-    """Write this layer's new K/V at the slot mapping, then attend through the pages -> (out, cache)."""
+    """Write this layer's new K/V at the slot mapping, then attend through the pages -> (out, cache).
+
+    With a `mesh` (tensor parallelism), q/k/v arrive split over heads and the cache over KV heads:
+    each device runs the kernel on its own heads under `shard_map`, with the metadata replicated."""
+    kwargs = dict(backend=backend, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    if mesh is None:
+        return _attend_local(q, k, v, cache, layer, md, **kwargs)
+    heads = P(None, sharding.AXIS, None)
+    specs = sharding.cache_specs(cache)
+    local = jax.shard_map(functools.partial(_attend_local, **kwargs), mesh=mesh,
+                          in_specs=(heads, heads, heads, specs, P(), jax.tree.map(lambda _: P(), md)),
+                          out_specs=(heads, specs), check_vma=False)
+    return local(q, k, v, cache, layer, md)
+
+
+def _attend_local(q, k, v, cache: KVCache, layer, md: AttentionMetadata, *, backend, sm_scale, soft_cap,
+                  sliding_window):
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     if (backend == "tpu") != (cache.layout == "tpu"):

@@ -54,7 +54,9 @@ def kv_budget_bytes(fraction: float) -> int:
 
 def resolve(model_config, *, block_size, num_blocks, kv_cache_memory_fraction, max_num_seqs,
             max_num_batched_tokens, max_model_len, num_decode_steps, long_prefill_token_threshold,
-            enable_prefix_caching, attention_backend, kv_dtype) -> EngineConfig:
+            enable_prefix_caching, attention_backend, kv_dtype, kv_shards=1) -> EngineConfig:
+    """`kv_shards`: devices the KV heads are split over (tensor parallelism); the budget is per
+    device, so each block costs a device 1 / kv_shards of its bytes."""
     _check_positive(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                     num_decode_steps=num_decode_steps)
@@ -75,7 +77,7 @@ def resolve(model_config, *, block_size, num_blocks, kv_cache_memory_fraction, m
                        * model_config.head_dim * jax.numpy.dtype(kv_dtype).itemsize)
     useful = max_num_seqs * -(-max_model_len // block_size) + 1  # more could never be used
     if num_blocks is None:
-        num_blocks = min(useful, kv_budget_bytes(kv_cache_memory_fraction) // bytes_per_block)
+        num_blocks = min(useful, kv_budget_bytes(kv_cache_memory_fraction) * kv_shards // bytes_per_block)
     if num_blocks < 2:
         raise ValueError(f"the KV cache holds {num_blocks} blocks of {bytes_per_block} bytes; "
                          "at least 2 are needed: raise the budget or lower block_size")

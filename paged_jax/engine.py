@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from paged_jax import batching, block_pool, config as config_lib, runner
+from paged_jax import batching, block_pool, config as config_lib, runner, sharding
 from paged_jax.attention import cache_layout, resolve_backend
 from paged_jax.output_processor import OutputProcessor
 from paged_jax.outputs import RequestOutput
@@ -27,7 +27,11 @@ class LLMEngine:
     def __init__(self, model, tokenizer=None, *, block_size=16, num_blocks=None,
                  kv_cache_memory_fraction=0.9, max_num_seqs=None, max_num_batched_tokens=None,
                  max_model_len=None, num_decode_steps=8, long_prefill_token_threshold=0,
-                 enable_prefix_caching=True, attention_backend="auto", seed=0, log_stats=True):
+                 enable_prefix_caching=True, attention_backend="auto", seed=0, mesh=None, log_stats=True):
+        """`mesh`: a jax Mesh with a "model" axis for tensor parallelism (paged_jax.sharding)."""
+        if mesh is not None:
+            model = sharding.shard_model(model, mesh)
+        self.mesh = mesh
         self.model_config = model.config
         self.tokenizer = tokenizer
         self.output_processor = OutputProcessor(tokenizer)
@@ -38,16 +42,27 @@ class LLMEngine:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             num_decode_steps=num_decode_steps, long_prefill_token_threshold=long_prefill_token_threshold,
             enable_prefix_caching=enable_prefix_caching,
-            attention_backend=resolve_backend(attention_backend), kv_dtype=kv_dtype)
+            attention_backend=resolve_backend(attention_backend), kv_dtype=kv_dtype,
+            kv_shards=sharding.tensor_parallel_size(mesh))
         if log_stats:
             config_lib.announce(self.config)
         c = self.config
         self.graphdef, self.params = nnx.split(model)
         pool = block_pool.init(c.num_blocks, c.block_size, c.max_num_seqs, c.max_blocks_per_seq)
         empty = np.zeros((c.max_num_seqs, 0))
-        cache = model.init_cache(c.num_blocks, c.block_size, layout=cache_layout(c.attention_backend))
-        self.state = runner.DeviceState(cache=cache, pool=pool,
-                                        output_counts=empty.astype(np.int32), prompt_mask=empty.astype(bool))
+        layout = cache_layout(c.attention_backend)
+        if mesh is None:
+            cache = model.init_cache(c.num_blocks, c.block_size, layout=layout)
+        else:  # made in place on the mesh: one device could not hold the whole cache
+            shape = jax.eval_shape(lambda: model.init_cache(c.num_blocks, c.block_size, layout=layout))
+            cache = jax.jit(lambda: model.init_cache(c.num_blocks, c.block_size, layout=layout),
+                            out_shardings=sharding.named(sharding.cache_specs(shape), mesh))()
+        state = runner.DeviceState(cache=cache, pool=pool, output_counts=empty.astype(np.int32),
+                                   prompt_mask=empty.astype(bool))
+        if mesh is not None:  # the pool and sampling state: one copy on every device
+            state = dataclasses.replace(state, **{f: sharding.replicate(getattr(state, f), mesh)
+                                                  for f in ("pool", "output_counts", "prompt_mask")})
+        self.state = state
         self.prefix_cache = PrefixCache(enabled=c.enable_prefix_caching)
         self.scheduler = Scheduler(
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
@@ -191,7 +206,7 @@ class LLMEngine:
     def _flags(self, seqs):
         params = [s.request.params for s in seqs]
         logprobs = max([p.logprobs or 0 for p in params] + [0])
-        return runner.Flags(backend=self.config.attention_backend,
+        return runner.Flags(backend=self.config.attention_backend, mesh=self.mesh,
                             filters=any(p.uses_filters for p in params),
                             num_logprobs=0 if logprobs == 0 else 1 << (logprobs - 1).bit_length())
 
@@ -264,8 +279,10 @@ class LLMEngine:
 
     def _enable_penalties(self):
         shape = (self.config.max_num_seqs, self.model_config.vocab_size)
-        self.state = dataclasses.replace(self.state, output_counts=jax.numpy.zeros(shape, np.int32),
-                                         prompt_mask=jax.numpy.zeros(shape, bool))
+        counts, mask = jax.numpy.zeros(shape, np.int32), jax.numpy.zeros(shape, bool)
+        if self.mesh is not None:
+            counts, mask = sharding.replicate((counts, mask), self.mesh)
+        self.state = dataclasses.replace(self.state, output_counts=counts, prompt_mask=mask)
 
     def _reset_penalties(self, seqs):
         if not seqs:

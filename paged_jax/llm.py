@@ -9,6 +9,7 @@ from pathlib import Path
 from paged_jax.engine import LLMEngine
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.sharding import AXIS, make_mesh
 
 # config.json's model_type -> the module that loads it, imported only when used (as vLLM's registry
 # does), so that paged_jax never imports models at module level.
@@ -35,8 +36,11 @@ class LLM:
                  long_prefill_token_threshold=0, log_stats=True):
         """`model`: a checkpoint directory (Hugging Face safetensors or a converted Orbax one) or a
         model object (e.g. `models.Llama`), with an optional `tokenizer`."""
-        if tensor_parallel_size != 1 or mesh is not None:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}, mesh={mesh}: this build runs on one device")
+        if mesh is None and tensor_parallel_size != 1:
+            mesh = make_mesh(tensor_parallel_size)
+        elif mesh is not None and tensor_parallel_size not in (1, mesh.shape.get(AXIS)):
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} disagrees with the mesh's "
+                             f"{AXIS!r} axis of size {mesh.shape.get(AXIS)}")
         if isinstance(model, (str, Path)):
             model, found = load_model(model, dtype=dtype)
             tokenizer = tokenizer or found
@@ -48,7 +52,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             num_decode_steps=num_decode_steps, long_prefill_token_threshold=long_prefill_token_threshold,
             enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend, seed=seed,
-            log_stats=log_stats)
+            mesh=mesh, log_stats=log_stats)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -16,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from paged_jax import block_pool as bp
 from paged_jax import sampler
@@ -51,6 +52,7 @@ class Flags:
     backend: str
     filters: bool = False  # some row uses top-k / top-p / min-p
     num_logprobs: int = 0  # top-N logprobs returned per token
+    mesh: Mesh | None = None  # tensor parallelism: attention runs per shard
 
 
 def _apply_host_ops(pool: bp.BlockPool, ops: HostOps) -> bp.BlockPool:
@@ -89,7 +91,7 @@ def prefill_step(graphdef, params, state: DeviceState, ops: HostOps, batch: dict
                            seq_lens=batch["attn_seq_lens"], query_start_loc=batch["query_start_loc"])
     model = nnx.merge(graphdef, params)
     logits, cache = model(batch["tokens"], batch["positions"], state.cache, md,
-                          jnp.maximum(batch["logits_rows"], 0), backend=flags.backend)
+                          jnp.maximum(batch["logits_rows"], 0), backend=flags.backend, mesh=flags.mesh)
 
     def fork_one(child, carry):
         pool, src, dst, ok = carry
@@ -156,7 +158,7 @@ def decode_steps(graphdef, params, state: DeviceState, ops: HostOps, last_tokens
                                    query_start_loc=jnp.arange(num_slots + 1, dtype=jnp.int32),
                                    decode_only=True)
             logits, cache = model(last, positions, state.cache, md, jnp.arange(num_slots),
-                                  backend=flags.backend)
+                                  backend=flags.backend, mesh=flags.mesh)
             tokens, logprob, rank, top_ids, top_lps = sampler.sample(
                 logits, sp, num_output, state.penalties, filters=flags.filters, num_logprobs=n)
             finish = jnp.where(active, sampler.stop_check(tokens, sp, num_output + 1, total_len + 1), 0)

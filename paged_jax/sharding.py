@@ -1,0 +1,110 @@
+"""Tensor parallelism over a jax `Mesh` (Megatron-LM's layout): attention heads and MLP columns
+split over the mesh's `model` axis, the KV pages split over KV heads, the attention kernel run per
+shard under `shard_map`, and the block pool, block tables and sampling state replicated, so one
+allocation decision serves every shard. XLA inserts the all-reduces after `wo` and `w_down`.
+
+When the model has fewer KV heads than devices, each KV head is replicated onto
+`tensor_parallel_size // num_kv_heads` devices (as vLLM does): its projection weights are repeated,
+so every device computes and caches the KV head its query heads read.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+AXIS = "model"
+
+# Parameter name -> spec; stacked layer weights carry the leading num_layers axis.
+PARAM_SPECS = {
+    "embed": P(), "norm": P(), "lm_head": P(None, AXIS),
+    "attn_norm": P(), "mlp_norm": P(), "bo": P(),
+    "wq": P(None, None, AXIS, None), "wk": P(None, None, AXIS, None), "wv": P(None, None, AXIS, None),
+    "bq": P(None, AXIS, None), "bk": P(None, AXIS, None), "bv": P(None, AXIS, None),
+    "wo": P(None, AXIS, None, None),
+    "w_gate": P(None, None, AXIS), "w_up": P(None, None, AXIS), "w_down": P(None, AXIS, None),
+}
+
+
+def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    if not isinstance(tensor_parallel_size, int) or not 1 <= tensor_parallel_size <= len(devices):
+        raise ValueError(f"tensor_parallel_size must be in [1, {len(devices)}] (the devices jax sees), "
+                         f"got {tensor_parallel_size!r}")
+    return Mesh(np.array(devices[:tensor_parallel_size]), (AXIS,))
+
+
+def tensor_parallel_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else mesh.shape[AXIS]
+
+
+def check_mesh(mesh: Mesh, config) -> None:
+    if AXIS not in mesh.axis_names:
+        raise ValueError(f"the mesh needs a {AXIS!r} axis for tensor parallelism, got axes {mesh.axis_names}")
+    if any(mesh.shape[name] != 1 for name in mesh.axis_names if name != AXIS):
+        raise ValueError(f"only the {AXIS!r} axis may be larger than 1 (no data parallelism), got {dict(mesh.shape)}")
+    tp = mesh.shape[AXIS]
+    for name, size in (("num_heads", config.num_heads), ("intermediate_size", config.intermediate_size)):
+        if size % tp:
+            raise ValueError(f"{name}={size} is not divisible by tensor_parallel_size={tp}")
+    if not config.tie_word_embeddings and config.vocab_size % tp:
+        raise ValueError(f"vocab_size={config.vocab_size} is not divisible by tensor_parallel_size={tp}")
+    kvh = config.num_kv_heads
+    if kvh % tp and tp % kvh:
+        raise ValueError(f"num_kv_heads={kvh} and tensor_parallel_size={tp}: one must divide the other")
+
+
+def replicate_kv_heads(model, tp: int):
+    """Repeat the model's KV heads (in place) up to `tp`, one per device, if it has fewer."""
+    config = model.config
+    factor = tp // config.num_kv_heads
+    if factor <= 1:
+        return model
+    print(f"paged-jax: {config.num_kv_heads} KV heads on {tp} devices: each KV head is replicated "
+          f"on {factor} devices (its K/V computed and cached {factor} times)", file=sys.stderr)
+    layers = model.layers
+    for name, axis in (("wk", 2), ("wv", 2), ("bk", 1), ("bv", 1)):  # wk [L, hidden, kv_heads, d]; bk [L, kv_heads, d]
+        if name in layers.names:
+            setattr(layers, name, nnx.Param(jnp.repeat(getattr(layers, name)[...], factor, axis=axis)))
+    model.config = dataclasses.replace(config, num_kv_heads=tp)
+    return model
+
+
+def param_shardings(model, mesh: Mesh):
+    """NamedShardings for `nnx.state(model)`, by parameter name."""
+    def spec(path, _):
+        return NamedSharding(mesh, PARAM_SPECS[str(path[-1].key)])
+    return jax.tree_util.tree_map_with_path(spec, nnx.to_pure_dict(nnx.state(model)))
+
+
+def shard_model(model, mesh: Mesh):
+    """The model with its weights placed on the mesh (KV heads replicated first if needed)."""
+    check_mesh(mesh, model.config)
+    model = replicate_kv_heads(model, mesh.shape[AXIS])
+    state = nnx.state(model)
+    pure = nnx.to_pure_dict(state)
+    placed = jax.tree.map(jax.device_put, pure, param_shardings(model, mesh))
+    nnx.replace_by_pure_dict(state, placed)
+    nnx.update(model, state)
+    return model
+
+
+def cache_specs(cache):
+    """PartitionSpecs of a KVCache: pages split over their KV-head axis."""
+    if cache.layout == "tpu":  # [pages, block_size, 2 * kv_heads (K/V interleaved per head), head_dim]
+        return dataclasses.replace(cache, kv_pages=P(None, None, AXIS, None))
+    return dataclasses.replace(cache, k_pages=P(AXIS), v_pages=P(AXIS))
+
+
+def named(specs, mesh: Mesh):
+    """NamedShardings for a pytree of PartitionSpecs."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def replicate(tree, mesh: Mesh):
+    return jax.device_put(tree, NamedSharding(mesh, P()))

@@ -1,0 +1,111 @@
+"""Tensor parallelism on 8 simulated CPU devices. jax reads XLA_FLAGS once, at import, so these run
+in their own process: tests/paged_jax/test_tensor_parallel_process.py starts it with
+XLA_FLAGS=--xla_force_host_platform_device_count=8; in the main process they skip."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from paged_jax import LLM, SamplingParams, sharding
+from paged_jax import block_pool as bp
+from paged_jax.attention import AttentionMetadata
+from tests.models.model_testing import max_rel_err, random_model, tiny_config
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices: run in its own process "
+                                "by tests/paged_jax/test_tensor_parallel_process.py")
+
+PROMPTS = [[5, 17, 99, 3, 42, 8, 61], list(range(10, 33)), [7, 7, 1, 90]]
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def spec_of(x):
+    return x.sharding.spec
+
+
+def prefill_inputs(prompt, num_blocks, block_size=8):
+    pool = bp.init(num_blocks, block_size, 1, 8)
+    pool, _ = bp.allocate(pool, np.array([len(prompt)]))
+    n = len(prompt)
+    md = AttentionMetadata(slot_mapping=bp.slot_mapping(pool, jnp.zeros(n, jnp.int32), jnp.arange(n)),
+                           block_tables=pool.block_tables, seq_lens=jnp.array([n], jnp.int32),
+                           query_start_loc=jnp.array([0, n], jnp.int32))
+    return jnp.array(prompt, jnp.int32), jnp.arange(n, dtype=jnp.int32), md, jnp.array([n - 1])
+
+
+@jax.jit
+def one_device_logits(model, tokens, positions, cache, md, rows):
+    return model(tokens, positions, cache, md, rows)[0]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_logits_and_greedy_tokens_match_one_device(tp):
+    config = tiny_config()  # 4 query heads, 2 KV heads: tp=4 replicates each KV head twice
+    reference = random_model(config)
+    tokens, positions, md, rows = prefill_inputs(PROMPTS[1], 16)
+    want = one_device_logits(reference, tokens, positions, reference.init_cache(16, 8), md, rows)
+
+    mesh = sharding.make_mesh(tp)
+    model = sharding.shard_model(random_model(config), mesh)
+    assert model.config.num_kv_heads == max(2, tp)
+    cache = jax.device_put(model.init_cache(16, 8), sharding.named(sharding.cache_specs(model.init_cache(16, 8)), mesh))
+
+    @jax.jit
+    def sharded_logits(model, tokens, positions, cache, md, rows):
+        return model(tokens, positions, cache, md, rows, mesh=mesh)[0]
+
+    got = sharded_logits(model, tokens, positions, cache, md, rows)
+    assert max_rel_err(got, want) <= 1e-5
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    single = LLM(random_model(config), block_size=8, num_blocks=32, max_num_seqs=4, log_stats=False)
+    split = LLM(random_model(config), block_size=8, num_blocks=32, max_num_seqs=4, log_stats=False,
+                tensor_parallel_size=tp)
+    assert ([o.outputs[0].token_ids for o in split.generate(PROMPTS, greedy)]
+            == [o.outputs[0].token_ids for o in single.generate(PROMPTS, greedy)])
+
+
+def test_params_and_pages_are_sharded_megatron_style():
+    llm = LLM(random_model(tiny_config()), block_size=8, num_blocks=32, max_num_seqs=4, log_stats=False,
+              tensor_parallel_size=2)
+    params, state = llm.engine.params, llm.engine.state
+    layers = params["layers"]
+    assert spec_of(layers["wq"][...]) == P(None, None, "model", None)  # [L, hidden, heads, head_dim]
+    assert spec_of(layers["wk"][...]) == P(None, None, "model", None)
+    assert spec_of(layers["wo"][...]) == P(None, "model", None, None)  # [L, heads, head_dim, hidden]
+    assert spec_of(layers["w_gate"][...]) == P(None, None, "model")
+    assert spec_of(layers["w_up"][...]) == P(None, None, "model")
+    assert spec_of(layers["w_down"][...]) == P(None, "model", None)
+    assert spec_of(params["lm_head"][...]) == P(None, "model")
+    assert spec_of(params["embed"][...]) == P() and spec_of(layers["attn_norm"][...]) == P()
+    assert spec_of(state.cache.k_pages) == P("model") and spec_of(state.cache.v_pages) == P("model")
+    assert state.cache.k_pages.addressable_shards[0].data.shape == (1, 2 * 32, 8, 16)  # one KV head each
+    assert all(spec_of(x) == P() for x in jax.tree.leaves(state.pool))
+
+
+def test_bad_tensor_parallel_sizes_are_refused():
+    with pytest.raises(ValueError, match="num_heads=4 is not divisible by tensor_parallel_size=3"):
+        LLM(random_model(tiny_config()), num_blocks=16, log_stats=False, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size must be in \[1, 8\]"):
+        sharding.make_mesh(16)
+
+
+def test_cuda_export_finds_the_triton_kernels_under_shard_map():
+    config = tiny_config(head_dim=64)
+    mesh = sharding.make_mesh(2)
+    model = sharding.shard_model(random_model(config), mesh)
+    cache = model.init_cache(16, 8)
+    tokens, positions, md, rows = prefill_inputs(PROMPTS[0], 16)
+
+    def forward(model, tokens, positions, cache, md, rows):
+        return model(tokens, positions, cache, md, rows, backend="pallas", mesh=mesh)
+
+    exported = jax.export.export(jax.jit(forward), platforms=("cuda",),
+                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(
+        model, tokens, positions, cache, md, rows)
+    module = exported.mlir_module()
+    names = re.findall(r'@__gpu\$xla\.gpu\.triton\([^\n]*name = "([^"]*)"', module)
+    assert {"write_kv", "ragged_paged_attention"} <= set(names)
+    assert "shard_map" in module or "sdy.manual_computation" in module

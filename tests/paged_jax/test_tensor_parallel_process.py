@@ -1,0 +1,16 @@
+"""Runs tests/distributed in a process that simulates 8 devices (XLA_FLAGS must be set before
+jax is imported, which this process did long ago)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_tensor_parallel_suite_in_its_own_process():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/distributed"],
+                            cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert "skipped" not in result.stdout.splitlines()[-1], result.stdout[-2000:]
