@@ -19,9 +19,25 @@ def model():
     return random_model(tiny_config(max_position_embeddings=1024, eos_token_id=None))
 
 
+_made = []
+
+
 def make_llm(model, **kwargs):
     args = dict(block_size=8, num_blocks=96, max_num_seqs=4, log_stats=False)
-    return LLM(model, **{**args, **kwargs})
+    llm = LLM(model, **{**args, **kwargs})
+    _made.append(llm)
+    return llm
+
+
+@pytest.fixture(autouse=True)
+def no_leak():
+    """After every test, each engine it made runs dry and has every block back."""
+    _made.clear()
+    yield
+    for llm in _made:
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+        assert drained(llm)
 
 
 def greedy_reference(model, prompt, n, penalty=None):
@@ -91,7 +107,6 @@ def test_stops_follow_vllms_check_stop(model):
                                                SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)])
     assert (eos.outputs[0].token_ids, eos.outputs[0].finish_reason, eos.outputs[0].stop_reason) == (g[:4], "stop", None)
     assert ignored.outputs[0].token_ids == g
-    assert drained(llm)
 
 
 def test_stop_strings_cut_the_text(model):
@@ -123,7 +138,6 @@ def test_parallel_samples_fork_the_prompt_blocks(model):
     assert separate.stats()["peak_blocks_used"] == 12
     again = make_llm(model).generate([prompt, PROMPT], [params, SamplingParams(max_tokens=3)])[0]
     assert [tuple(c.token_ids) for c in again.outputs] == samples
-    assert drained(llm)
 
 
 def test_a_seed_gives_the_same_tokens_whatever_shares_the_batch(model):
@@ -177,7 +191,6 @@ def test_bad_input_is_refused_and_the_rest_runs(model):
     assert long.outputs[0].finish_reason == "error" and "45 tokens, max_model_len is 40" in long.error
     assert ok.outputs[0].token_ids == greedy_reference(model, PROMPT, 4)
     assert capped.outputs[0].finish_reason == "length" and len(capped.outputs[0].token_ids) == 40 - len(PROMPT)
-    assert drained(llm)
 
 
 def test_streaming_steps_and_abort(model):
