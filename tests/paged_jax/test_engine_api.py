@@ -100,23 +100,25 @@ def test_stops_follow_vllms_check_stop(model):
     assert (capped.token_ids, capped.finish_reason) == (g[:5], "length")
     assert (full.token_ids, full.finish_reason) == (g, "length")
 
-    # EOS: the model's own; ignore_eos runs past it.
-    eos_model = random_model(tiny_config(max_position_embeddings=1024, eos_token_id=stop_token))
-    llm = make_llm(eos_model)
+    # EOS (the tokenizer's); ignore_eos runs past it.
+    llm = make_llm(model, tokenizer=word_tokenizer(eos_token_ids=(stop_token,)))
     eos, ignored = llm.generate([PROMPT] * 2, [SamplingParams(temperature=0.0, max_tokens=12),
                                                SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)])
     assert (eos.outputs[0].token_ids, eos.outputs[0].finish_reason, eos.outputs[0].stop_reason) == (g[:4], "stop", None)
     assert ignored.outputs[0].token_ids == g
 
 
-def test_stop_strings_cut_the_text(model):
-    vocab = {f"w{i}": i for i in range(128)}
-    inner = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+def word_tokenizer(eos_token_ids=()):
+    """Token i is the word "w{i}"; decoding joins words with spaces."""
+    inner = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
     inner.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    inner.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
-    tok = Tokenizer(inner, eos_token_ids=(), bos_token_id=None)
+    inner.decoder = tokenizers.decoders.WordPiece(prefix="##")
+    return Tokenizer(inner, eos_token_ids=eos_token_ids, bos_token_id=None)
+
+
+def test_stop_strings_cut_the_text(model):
     g = greedy_reference(model, PROMPT, 10)
-    llm = make_llm(model, tokenizer=tok)
+    llm = make_llm(model, tokenizer=word_tokenizer())
     stop = f"w{g[4]} w{g[5]}"
     out = llm.generate([" ".join(f"w{t}" for t in PROMPT)],
                        SamplingParams(temperature=0.0, max_tokens=10, stop=[stop]))[0].outputs[0]
