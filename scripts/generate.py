@@ -1,0 +1,153 @@
+"""Generate text with paged-jax: the embedded tiny model by default, or any Llama checkpoint.
+
+    python scripts/generate.py                                  # built-in prompts, embedded model
+    python scripts/generate.py --model DIR --prompt 'def add(a, b):\\n' --stream --max-tokens 128
+
+DIR is a Hugging Face Llama directory (config.json, *.safetensors, tokenizer.json) or one written by
+scripts/convert_checkpoint.py. In --prompt and --prompts-file lines, \\n and \\t are newline and tab.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from jax import monitoring  # noqa: E402
+
+from paged_jax import LLM, SamplingParams  # noqa: E402
+from paged_jax.llm import load_model  # noqa: E402
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "embedded"
+PROMPTS = ("def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self):\n",
+           "if __name__ == \"__main__\":\n")
+TQDM_FROM = 8  # prompts: from here on a progress bar beats a silent wait
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+
+
+def unescape(text: str) -> str:
+    return text.replace("\\n", "\n").replace("\\t", "\t")
+
+
+def read_prompts(args) -> list[str]:
+    prompts = [unescape(p) for p in args.prompt or []]
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts += [unescape(line.rstrip("\n")) for line in f if line.strip()]
+    return prompts or list(PROMPTS)
+
+
+@contextlib.contextmanager
+def compile_timer():
+    """Seconds jax spends tracing, lowering and compiling inside the block, as jax itself times them."""
+    total = [0.0]
+
+    def listener(event, seconds, **_):
+        if event in _COMPILE_EVENTS:
+            total[0] += seconds
+
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield total
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+
+
+def fail(message: str):
+    """One line on stderr and exit status 2 (argparse's for bad usage): no traceback for a bad input."""
+    print(f"generate.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def load(args):
+    try:
+        model, tokenizer = load_model(args.model, dtype=args.dtype)
+    except Exception as e:  # noqa: BLE001  any failure here is the directory's: report it, not our stack
+        fail(f"cannot load --model {args.model}: {type(e).__name__}: {(str(e) or '?').splitlines()[0]}")
+    if tokenizer is None:
+        fail(f"--model {args.model} has no tokenizer.json, which text prompts need")
+    return model, tokenizer
+
+
+def stream(llm, prompts, params):
+    """Print each completion as its tokens arrive; requests run batched, shown one after another."""
+    for i, prompt in enumerate(prompts):
+        llm.engine.add_request(str(i), prompt, params)
+    order = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
+    texts, finished, errors = dict.fromkeys(order, ""), set(), {}
+    shown, printed = 0, -1  # order[shown] is on screen up to `printed` characters; -1: not started
+    while shown < len(order):
+        for out in llm.engine.step():
+            for c in out.outputs:
+                texts[int(out.request_id), c.index] = c.text
+                if c.finish_reason is not None:
+                    finished.add((int(out.request_id), c.index))
+            if out.error:
+                errors[int(out.request_id)] = out.error
+        while shown < len(order):
+            i, j = order[shown]
+            if printed < 0:
+                print(header(i, j, len(prompts), params.n) + prompts[i], end="")
+                printed = 0
+            print(texts[i, j][printed:], end="", flush=True)
+            printed = len(texts[i, j])
+            if (i, j) not in finished:
+                break
+            print(f"\n[error: {errors[i]}]" if i in errors else "", flush=True)
+            shown, printed = shown + 1, -1
+
+
+def header(i, j, num_prompts, n):
+    return f"\n=== prompt {i + 1}/{num_prompts}" + (f", sample {j + 1}/{n}" if n > 1 else "") + " ===\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint directory (default: the embedded model)")
+    ap.add_argument("--prompt", action="append", help="a prompt (repeatable); default: built-in Python prompts")
+    ap.add_argument("--prompts-file", help="a file of prompts, one per line")
+    for flag, kind, default in (("--max-tokens", int, 96), ("--temperature", float, 0.7), ("--top-p", float, 0.95),
+                                ("--top-k", int, 0), ("--seed", int, 0), ("--n", int, 1), ("--block-size", int, 16),
+                                ("--num-blocks", int, None), ("--max-num-seqs", int, None),
+                                ("--tensor-parallel-size", int, 1)):
+        ap.add_argument(flag, type=kind, default=default,
+                        help=f"default: {'sized by the engine' if default is None else default}")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: the checkpoint's")
+    ap.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    args = ap.parse_args(argv)
+    try:
+        prompts = read_prompts(args)
+        params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                max_tokens=args.max_tokens)
+        model, tokenizer = load(args)
+        llm = LLM(model, tokenizer=tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
+                  max_num_seqs=args.max_num_seqs, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
+    except (OSError, ValueError) as e:
+        fail(str(e))
+
+    start = time.perf_counter()
+    with compile_timer() as compile_s:
+        if args.stream:
+            stream(llm, prompts, params)
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=len(prompts) >= TQDM_FROM)
+            for i, out in enumerate(outputs):
+                for c in out.outputs:
+                    print(header(i, c.index, len(prompts), args.n) + prompts[i] + c.text)
+                if out.error:
+                    print(f"[error: {out.error}]")
+    run_s = max(time.perf_counter() - start - compile_s[0], 1e-9)
+    s = llm.stats()
+    print(f"\nrequests {len(prompts)}, generated tokens {s['generation_tokens']}, "
+          f"{s['generation_tokens'] / run_s:.1f} tok/s ({run_s:.2f} s run + {compile_s[0]:.2f} s compile), "
+          f"KV cache peak usage {s['peak_blocks_used'] / (s['num_blocks'] - 1):.1%} of {s['num_blocks'] - 1} blocks, "
+          f"prefix-cache hit rate {s['prefix_cache_hit_rate']:.1%}, preemptions {s['num_preemptions']}")
+
+
+if __name__ == "__main__":
+    main()

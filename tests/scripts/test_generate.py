@@ -1,0 +1,83 @@
+"""scripts/generate.py end to end on the embedded model: as a user runs it (a subprocess, from
+another directory), streaming against batch output, and the one-line error for a bad --model."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts import generate
+
+SCRIPT = Path(generate.__file__)
+STATS = re.compile(r"^requests (\d+), generated tokens (\d+), [\d.]+ tok/s \([\d.]+ s run \+ [\d.]+ s compile\), "
+                   r"KV cache peak usage [\d.]+% of \d+ blocks, prefix-cache hit rate [\d.]+%, preemptions 0$",
+                   re.MULTILINE)
+
+
+def run_script(*args, cwd):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+
+
+def test_default_run_prints_every_prompt_and_the_stats(tmp_path):
+    """No --model: the embedded one, found from the script's location, not the working directory."""
+    result = run_script("--max-tokens", "4", "--temperature", "0", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    for i, prompt in enumerate(generate.PROMPTS):
+        assert f"=== prompt {i + 1}/{len(generate.PROMPTS)} ===\n{prompt}" in result.stdout
+    stats = STATS.findall(result.stdout)
+    # Four prompts, four tokens each: the trained model ends none of them with EOS this early.
+    assert stats == [(str(len(generate.PROMPTS)), str(4 * len(generate.PROMPTS)))]
+
+
+def test_stream_prints_the_same_text_as_batch_output(capsys):
+    # Seeded sampling draws the same tokens in both modes (same requests in the same order), and n=2
+    # makes each prompt's two samples differ, so a mixed-up sample index shows. float32 and the
+    # engine's default sizes, no top-p filter: test_embedded_model's engine reuses these compilations.
+    args = ["--prompt", "def add(a, b):\\n", "--prompt", "import sys\\n", "--max-tokens", "12",
+            "--temperature", "0.8", "--top-p", "1", "--seed", "1", "--n", "2", "--dtype", "float32"]
+    generate.main(args)
+    batch = capsys.readouterr().out
+    generate.main(args + ["--stream"])
+    streamed = capsys.readouterr().out
+    blocks = re.split(r"\n=== prompt \d/2, sample \d/2 ===\n", streamed[: STATS.search(streamed).start()])[1:]
+    assert [b.splitlines()[0] for b in blocks] == ["def add(a, b):", "def add(a, b):", "import sys", "import sys"]
+    assert blocks[0] != blocks[1] and blocks[2] != blocks[3]
+    assert STATS.findall(streamed) == [("2", "48")]  # 2 prompts x 2 samples x 12 tokens
+    # The stats differ in timing only; the completions must match character for character.
+    assert streamed[: STATS.search(streamed).start()] == batch[: STATS.search(batch).start()]
+
+
+def test_prompts_file_and_escapes(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("x = 1\\ny = \n\nfor i in range(3):\\n\\t\n")
+    assert generate.read_prompts(generate.argparse.Namespace(prompt=["a\\tb"], prompts_file=str(prompts))) == [
+        "a\tb", "x = 1\ny = ", "for i in range(3):\n\t"]
+
+
+def test_missing_model_is_one_line_and_exit_2(tmp_path):
+    model = tmp_path / "nowhere"
+    result = run_script("--model", str(model), cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    expected = (f"generate.py: error: cannot load --model {model}: FileNotFoundError: {model / 'config.json'}: "
+                f"no config.json, so {model} is not a model directory")
+    assert result.stderr.splitlines() == [expected]
+
+
+def test_model_without_weights_is_one_line_and_exit_2(tmp_path, capsys):
+    model = tmp_path / "model"  # a config and a tokenizer, no state/
+    model.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (model / name).write_bytes((generate.DEFAULT_MODEL / name).read_bytes())
+    with pytest.raises(SystemExit) as exit_info:
+        generate.main(["--model", str(model)])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    expected = (f"generate.py: error: cannot load --model {model}: CheckpointError: {model}: neither an HF "
+                "checkpoint (model.safetensors or model.safetensors.index.json) nor an Orbax one (state/)")
+    assert captured.err.splitlines() == [expected]
