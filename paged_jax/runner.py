@@ -98,7 +98,7 @@ def prefill_step(graphdef, params, state: DeviceState, ops: HostOps, batch: dict
         parent = batch["fork_parent"][child]
         forked, ok1, s, d = bp.fork(pool, jnp.maximum(parent, 0), child)
         live = parent >= 0
-        pool = jax.tree.map(lambda a, b: jnp.where(live, a, b), forked, pool)
+        pool = bp.select(live, forked, pool)
         return pool, src.at[child].set(jnp.where(live, s, -1)), dst.at[child].set(jnp.where(live, d, -1)), ok & (ok1 | ~live)
 
     num_slots = pool.max_seqs

@@ -3,7 +3,7 @@
 head_dim]` with K and V interleaved per KV head (index 2h is K of head h, 2h + 1 its V).
 
 A cache meant for TPU is made in this layout and kept in it, so no call converts pages. jax ships
-no cache-write kernel for it ("TODO: create a write_to_kv_cache kernel!"): the writes here are XLA
+no cache-write kernel for it (its source leaves one to be written): the writes here are XLA
 scatters, in place when the pages are donated. Untested on TPU hardware: on CPU the tests run
 this path through that module's own jnp reference, `ref_ragged_paged_attention`."""
 from __future__ import annotations
