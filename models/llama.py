@@ -279,7 +279,7 @@ class Llama(nnx.Module):
         angles = positions[..., None].astype(jnp.float32) * inv_freq
         return jnp.cos(angles), jnp.sin(angles)
 
-    def _run_layers(
+    def run_layers(
         self,
         x,  # [..., hidden_size]
         positions,  # i32[...]
@@ -301,7 +301,7 @@ class Llama(nnx.Module):
             (x, attn_state), _ = jax.lax.scan(step, (x, attn_state), (self.layers.arrays(), layers))
         return x, attn_state
 
-    def _logits(self, x):  # x [..., hidden] -> f32[..., vocab]
+    def logits(self, x):  # x [..., hidden] -> f32[..., vocab]
         with jax.named_scope("lm_head"):
             h = _rms_norm(x, self.norm[...], self.config.rms_norm_eps)
             if self.lm_head is None:
@@ -328,8 +328,8 @@ class Llama(nnx.Module):
 
         with jax.named_scope("embed"):
             x = self.embed[...][tokens]
-        x, cache = self._run_layers(x, positions, paged, cache)
-        return self._logits(x[logits_indices]), cache
+        x, cache = self.run_layers(x, positions, paged, cache)
+        return self.logits(x[logits_indices]), cache
 
     def dense_logits(self, tokens):  # i32[batch, seq] -> f32[batch, seq, vocab]
         """Plain causal forward without a cache: differentiable (training) and the tests' reference."""
@@ -341,8 +341,8 @@ class Llama(nnx.Module):
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         with jax.named_scope("embed"):
             x = self.embed[...][tokens]
-        x, _ = self._run_layers(x, positions, dense, None)
-        return self._logits(x)
+        x, _ = self.run_layers(x, positions, dense, None)
+        return self.logits(x)
 
     def init_cache(self, num_blocks: int, block_size: int, *, layout: str = "paged") -> KVCache:
         """An empty cache for this model in its dtype: `num_blocks` pool blocks per layer, in the

@@ -74,8 +74,9 @@ class LLMEngine:
         self._finished_outside_step: set[str] = set()  # rejected or aborted: reported by the next step
         self.base_key = jax.random.key_data(jax.random.PRNGKey(seed))
         self._request_counter = itertools.count()
-        self.counters = dict(prompt_tokens=0, generation_tokens=0, prefill_steps=0, decode_calls=0,
-                             decode_steps=0, busy_seconds=0.0, peak_blocks_used=0)
+        self.counters = dict(prompt_tokens=0, generation_tokens=0, prefill_tokens=0, prefill_steps=0,
+                             decode_calls=0, decode_steps=0, model_steps=0, running_steps=0,
+                             max_num_running=0, busy_seconds=0.0, peak_blocks_used=0)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -167,8 +168,10 @@ class LLMEngine:
             plan = self.scheduler.schedule(self._block_versions)
             if plan.scheduled and plan.is_decode:
                 out = self._decode(plan)
+                self._count_steps(int(out["steps"]), len(plan.scheduled))
             elif plan.scheduled or plan.free_slots:
                 out = self._prefill(plan)
+                self._count_steps(1, len(plan.scheduled) + len(plan.forks))
             else:
                 stuck = self.scheduler.waiting[0].request.request_id
                 raise RuntimeError(f"internal error: nothing can run, request {stuck!r} waits forever")
@@ -189,6 +192,12 @@ class LLMEngine:
             if request.finished:
                 del self.requests[request_id]
         return outputs
+
+    def _count_steps(self, steps, running):
+        k = self.counters
+        k["model_steps"] += steps
+        k["running_steps"] += steps * running
+        k["max_num_running"] = max(k["max_num_running"], running if steps else 0)
 
     def _flush(self):
         """Going idle: free the finished sequences' blocks now rather than on the next step."""
@@ -227,6 +236,9 @@ class LLMEngine:
         if not out["ok"]:
             raise RuntimeError("internal error: the device pool refused an operation the scheduler planned")
         self.counters["prefill_steps"] += 1
+        # Known tokens computed (prompts, and outputs recomputed after a preemption): not decode rows.
+        self.counters["prefill_tokens"] += sum(max(0, min(seq.num_computed + n, seq.prefill_end) - seq.num_computed)
+                                               for seq, n in plan.scheduled)
         per_token = ("tokens", "logprob", "rank", "top_ids", "top_logprobs")
         return {k: (v[:, None] if k in per_token else v) for k, v in out.items()}
 
@@ -312,5 +324,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=k["prompt_tokens"], generation_tokens=k["generation_tokens"],
             num_requests_running=running, num_requests_waiting=len(self.scheduler.waiting),
+            prefill_tokens=k["prefill_tokens"], max_num_running=k["max_num_running"],
+            mean_num_running=k["running_steps"] / max(k["model_steps"], 1),
             prefill_steps=k["prefill_steps"], decode_calls=k["decode_calls"], decode_steps=k["decode_steps"],
             busy_seconds=k["busy_seconds"], generation_throughput=k["generation_tokens"] / busy)

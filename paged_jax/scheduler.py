@@ -172,7 +172,7 @@ class Scheduler:
             seq.slot = self.free_slot_ids.pop(0)
             for child in seq.children:
                 child.slot = self.free_slot_ids.pop(0)
-            seq.status, seq.num_computed = Status.RUNNING, cached
+            seq.status, seq.num_computed, seq.prefill_end = Status.RUNNING, cached, seq.num_tokens
             self.prefix_cache.record(seq.num_tokens, cached)
             if seq.request.num_cached_tokens is None:
                 seq.request.num_cached_tokens = cached

@@ -33,6 +33,7 @@ class Sequence:
     status: Status = Status.WAITING
     slot: int = -1
     num_computed: int = 0  # tokens whose K/V are in the cache
+    prefill_end: int = 0  # tokens known at the last admission: computing them is prefill
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
     num_cached_blocks: int = 0  # leading full blocks already in the prefix cache
     children: list[Sequence] = dataclasses.field(default_factory=list)  # forked once the prompt is in

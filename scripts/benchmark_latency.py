@@ -1,0 +1,85 @@
+"""Latency of one batch (vLLM's benchmark_latency): `--batch-size` requests of `--input-len` random
+tokens, each answered with exactly `--output-len` tokens (greedy, ignore_eos), on a random Llama
+(58M parameters by default); warm-up runs first, then timed runs, each with fresh prompts so that
+no run hits the prefix cache of the one before.
+
+    python scripts/benchmark_latency.py [--batch-size 8 --input-len 32 --output-len 128]
+
+Per-token latency is the decode time per output token after the first, (finish - first token) /
+(output_len - 1); the engine returns tokens K = --num-decode-steps at a time, so it is their mean.
+Compile time is the first run's extra time over the median run, reported apart.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+from paged_jax import LLM, SamplingParams  # noqa: E402
+from scripts import benchlib  # noqa: E402
+
+QUANTILES = (10, 25, 50, 75, 90, 99)
+
+
+def run_once(llm, args, rng) -> dict:
+    prompts = [rng.integers(0, args.vocab_size, args.input_len).tolist() for _ in range(args.batch_size)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    r = benchlib.run_engine(llm, prompts, [params] * args.batch_size)
+    if any(len(o.outputs[0].token_ids) != args.output_len for o in r["outputs"]):
+        raise RuntimeError(f"a request did not get exactly {args.output_len} tokens: the timings would not compare")
+    m = [o.metrics for o in r["outputs"]]
+    return dict(latency_s=r["run_s"] + r["compile_s"], compile_s=r["compile_s"],
+                ttft_ms=[1e3 * t for t in r["ttft_s"]],
+                tpot_ms=[1e3 * (x["finish_time"] - x["first_token_time"]) / max(args.output_len - 1, 1) for x in m])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--num-iters-warmup", type=int, default=2, help="vLLM: 10; fewer on a CPU")
+    ap.add_argument("--num-iters", type=int, default=5, help="vLLM: 30; fewer on a CPU")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--num-decode-steps", type=int, default=8, help="decode steps per device call (K)")
+    ap.add_argument("--json", help="write the results here")
+    benchlib.add_model_args(ap)
+    args = ap.parse_args(argv)
+    if args.num_iters_warmup < 1 or args.num_iters < 1:
+        ap.error("--num-iters-warmup and --num-iters must be at least 1 (the first run compiles)")
+    seq_len = args.input_len + args.output_len
+    model = benchlib.random_llama(args, seq_len)
+    llm = LLM(model, block_size=args.block_size, num_blocks=args.batch_size * -(-seq_len // args.block_size) + 1,
+              max_num_seqs=args.batch_size, max_num_batched_tokens=max(512, args.batch_size), max_model_len=seq_len,
+              num_decode_steps=args.num_decode_steps, log_stats=False)
+    rng = np.random.default_rng(args.seed)
+    warmup = [run_once(llm, args, rng) for _ in range(args.num_iters_warmup)]
+    runs = [run_once(llm, args, rng) for _ in range(args.num_iters)]
+    latency = [r["latency_s"] for r in runs]
+    summary = dict(first_run_extra_s=warmup[0]["latency_s"] - float(np.median(latency)),
+                   compile_s=warmup[0]["compile_s"], timed_runs_compile_s=sum(r["compile_s"] for r in runs))
+    metrics = {"end-to-end latency (s)": latency,
+               "time to first token (ms)": [t for r in runs for t in r["ttft_ms"]],
+               "decode per token (ms)": [t for r in runs for t in r["tpot_ms"]]}
+    rows = [dict(name=name, **benchlib.percentiles(values, QUANTILES)) for name, values in metrics.items()]
+    decode_tok_s = args.batch_size / np.median(metrics["decode per token (ms)"]) * 1e3
+    print(f"latency: batch {args.batch_size}, input {args.input_len}, output {args.output_len} tokens; random Llama "
+          f"{benchlib.num_params(model) / 1e6:.0f}M params, {args.dtype}; {args.num_iters_warmup} warm-up + "
+          f"{args.num_iters} timed runs; decode {decode_tok_s:.1f} tok/s")
+    print(f"compile: the first run took {summary['first_run_extra_s']:.2f} s longer than the median (jax compile "
+          f"events: {summary['compile_s']:.2f} s); the timed runs compiled {summary['timed_runs_compile_s']:.2f} s")
+    benchlib.print_table(rows, [("name", "metric", "s"), ("mean", "mean", ".2f")]
+                         + [(f"p{q}", f"p{q}", ".2f") for q in QUANTILES])
+    if args.json:
+        result = dict(vars(args), **summary, decode_tok_s=decode_tok_s, rows=rows, raw=metrics)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Offline throughput (vLLM's benchmark_throughput): random-token prompts with ShareGPT-like lengths,
+all submitted at once with ignore_eos, greedy, on one random Llama (58M parameters by default).
+
+    python scripts/benchmark_throughput.py                      # paged engine vs the alternatives
+    python scripts/benchmark_throughput.py --section memory     # one KV budget: paged vs contiguous
+    python scripts/benchmark_throughput.py --section prefix     # shared system prompt, caching on/off
+
+Sections: `engines`: the paged engine (block_size 16); the same engine with block_size = max_model_len
+(a contiguous reservation of the longest answer per request); a plain JAX greedy loop over a dense KV
+cache with static batches; Hugging Face `generate` on torch (when installed). `memory`: the paper's
+claim, with one KV budget small enough that it, not --max-num-seqs, limits the contiguous engine.
+`prefix`: every prompt starts with the same system prompt. Run time excludes jit compile time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+from paged_jax import SamplingParams  # noqa: E402
+from scripts import baselines, benchlib  # noqa: E402
+
+COMMON = [("name", "method", "s")]
+COLUMNS = {
+    "engines": COMMON + [("requests_s", "req/s", ".2f"), ("total_tok_s", "total tok/s", ".1f"),
+                         ("output_tok_s", "output tok/s", ".1f"), ("ratio", "x baseline", ".2f"),
+                         ("run_s", "run s", ".1f"), ("compile_s", "compile s", ".1f"),
+                         ("same_tokens", "same tokens", ".0%")],
+    "memory": COMMON + [("max_running", "max running", "d"), ("mean_running", "mean running", ".1f"),
+                        ("utilisation", "KV util", ".1%"), ("num_preemptions", "preempted", "d"),
+                        ("output_tok_s", "output tok/s", ".1f"), ("ratio", "x baseline", ".2f"),
+                        ("run_s", "run s", ".1f"), ("same_tokens", "same tokens", ".0%")],
+    "prefix": COMMON + [("prefill_tokens", "prefill tokens", "d"), ("ttft_mean_s", "TTFT mean s", ".2f"),
+                        ("ttft_p50_s", "TTFT p50 s", ".2f"), ("hit_rate", "hit rate", ".1%"),
+                        ("total_tok_s", "total tok/s", ".1f"), ("ratio", "x baseline", ".2f"),
+                        ("run_s", "run s", ".1f")],
+}
+SUFFIX_LENS = (8, 64)  # prefix section: each prompt's own tokens after the shared ones, uniform in [8, 64)
+
+
+def workload(args, rng):
+    """(prompts, output lengths): random token ids, lengths lognormal as ShareGPT's, clipped so that
+    every request fits max_model_len; with --section prefix, a shared system prompt + short suffixes."""
+    n, half = args.num_requests, args.max_model_len // 2
+    if args.section == "prefix":
+        shared = rng.integers(0, args.vocab_size, args.prefix_len).tolist()
+        suffixes = rng.integers(*SUFFIX_LENS, n)
+        return [shared + rng.integers(0, args.vocab_size, m).tolist() for m in suffixes], [args.prefix_output_len] * n
+    inputs = benchlib.lognormal_lengths(rng, n, args.input_len, 4, half - 1)
+    outputs = benchlib.lognormal_lengths(rng, n, args.output_len, 4, half)
+    return [rng.integers(0, args.vocab_size, m).tolist() for m in inputs], outputs.tolist()
+
+
+def engine_row(name, llm, prompts, output_lens, read_pool=False):
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in output_lens]
+    row = benchlib.run_engine(llm, prompts, params, read_pool=read_pool)
+    outputs, stats, ttft = row.pop("outputs"), row.pop("stats"), row.pop("ttft_s")
+    return dict(row, name=name, answers=[o.outputs[0].token_ids for o in outputs],
+                ttft_mean_s=float(np.mean(ttft)), ttft_p50_s=float(np.median(ttft)),
+                num_preemptions=stats["num_preemptions"], hit_rate=stats["prefix_cache_hit_rate"])
+
+
+def timed_row(name, generate, *gen_args):
+    start = benchlib.now()
+    answers = generate(*gen_args)
+    wall = benchlib.now() - start
+    compile_s = benchlib.compile_seconds(start)
+    return dict(name=name, answers=answers, run_s=wall - compile_s, compile_s=compile_s)
+
+
+def run_section(args, model):
+    """-> (rows, index of the baseline row, workload info)."""
+    prompts, outs = workload(args, np.random.default_rng(args.seed))
+    kw = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    room = args.max_num_seqs * args.max_model_len  # max_num_seqs full-length requests: memory never binds
+    paged, contiguous = dict(block_size=16), dict(block_size=args.max_model_len)
+    contiguous_name = f"contiguous (block_size {args.max_model_len})"
+    if args.section == "engines":
+        rows = [engine_row("paged-jax (block_size 16)", benchlib.make_llm(model, **paged, kv_tokens=room, **kw),
+                           prompts, outs),
+                engine_row(contiguous_name, benchlib.make_llm(model, **contiguous, kv_tokens=room, **kw),
+                           prompts, outs),
+                timed_row(f"jax dense KV, static batch {args.max_num_seqs}", baselines.dense_generate,
+                          model, prompts, outs, args.max_num_seqs)]
+        if not args.no_hf and baselines.hf_available():
+            rows.append(timed_row(f"HF generate (torch), static batch {args.max_num_seqs}", baselines.hf_generate,
+                                  baselines.hf_llama(model, args.torch_threads), prompts, outs, args.max_num_seqs))
+        baseline = len(rows) - 1
+    elif args.section == "memory":  # the same bytes; max_num_seqs out of the way, so the budget binds
+        kv = args.kv_budget_seqs * args.max_model_len
+        kw["max_num_seqs"] = max(args.num_requests, args.max_num_seqs)
+        rows = [engine_row(f"{name}, {kv} KV slots", benchlib.make_llm(model, **blocks, kv_tokens=kv, **kw),
+                           prompts, outs, read_pool=True)
+                for name, blocks in (("paged (block_size 16)", paged), (contiguous_name, contiguous))]
+        baseline = 1
+    else:
+        rows = [engine_row(f"prefix caching {'on' if on else 'off'}", benchlib.make_llm(
+            model, **paged, kv_tokens=room, enable_prefix_caching=on, **kw), prompts, outs) for on in (False, True)]
+        baseline = 0
+    # Every row does the same work, so throughput ratios are ratios of run times.
+    reference, num_in, num_out = rows[0]["answers"], sum(map(len, prompts)), sum(outs)
+    for row in rows:
+        run_s = row["run_s"]
+        row.update(output_tok_s=num_out / run_s, total_tok_s=(num_in + num_out) / run_s,
+                   requests_s=len(prompts) / run_s, ratio=rows[baseline]["run_s"] / run_s,
+                   same_tokens=float(np.mean([a == b for a, b in zip(row.pop("answers"), reference)])))
+    return rows, baseline, dict(num_requests=len(prompts), num_prompt_tokens=num_in, num_output_tokens=num_out,
+                                mean_input_len=num_in / len(prompts), mean_output_len=num_out / len(prompts),
+                                max_model_len=args.max_model_len)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--section", choices=tuple(COLUMNS), default="engines")
+    ap.add_argument("--num-requests", type=int, default=None, help="default: 16 (engines, memory), 32 (prefix)")
+    ap.add_argument("--input-len", type=int, default=160, help="mean prompt length")
+    ap.add_argument("--output-len", type=int, default=340, help="mean answer length")
+    ap.add_argument("--max-model-len", type=int, default=1024, help="a power of two: the contiguous block size")
+    ap.add_argument("--max-num-seqs", type=int, default=8, help="engine batch and static batch size")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="engine token budget per step")
+    ap.add_argument("--kv-budget-seqs", type=int, default=4, help="memory: KV budget in max_model_len requests")
+    ap.add_argument("--prefix-len", type=int, default=512, help="prefix: shared system prompt tokens")
+    ap.add_argument("--prefix-output-len", type=int, default=16)
+    ap.add_argument("--no-hf", action="store_true", help="skip Hugging Face generate")
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch intra-op threads (default: torch's); 1 on a CPU shared with other jobs, where "
+                         "torch's spinning OpenMP threads run it 10x slower")
+    ap.add_argument("--json", help="write the rows and the workload here")
+    benchlib.add_model_args(ap)
+    args = ap.parse_args(argv)
+    if args.max_model_len & (args.max_model_len - 1):
+        ap.error(f"--max-model-len {args.max_model_len}: the contiguous run's block size, so a power of two")
+    args.num_requests = args.num_requests or (32 if args.section == "prefix" else 16)
+    model = benchlib.random_llama(args, args.max_model_len)
+    rows, baseline, info = run_section(args, model)
+    budget = benchlib.kv_bytes_per_token(model.config) * args.kv_budget_seqs * args.max_model_len
+    print(f"{args.section}: {info['num_requests']} requests, mean input {info['mean_input_len']:.0f} / output "
+          f"{info['mean_output_len']:.0f} tokens, max_model_len {args.max_model_len}; random Llama "
+          f"{benchlib.num_params(model) / 1e6:.0f}M params, {args.dtype}"
+          + (f"; KV budget {budget / 2**20:.1f} MiB" if args.section == "memory" else "")
+          + f"; ratios against {rows[baseline]['name']}")
+    benchlib.print_table(rows, COLUMNS[args.section])
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(section=args.section, **info, baseline=rows[baseline]["name"],
+                                                  rows=rows), indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
