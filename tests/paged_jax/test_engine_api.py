@@ -239,3 +239,15 @@ def test_a_steady_workload_compiles_nothing_new(model):
         assert warm > 0 and len(compiles) == warm
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def test_cache_salt_keeps_tenants_apart(model):
+    llm = make_llm(model)
+    prompt = list(range(1, 30))  # three full blocks of 8 can be cached
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    first, = llm.generate([{"prompt_token_ids": prompt, "cache_salt": "tenant-a"}], params)
+    other, same, bare = llm.generate([{"prompt_token_ids": prompt, "cache_salt": "tenant-b"},
+                                      {"prompt_token_ids": prompt, "cache_salt": "tenant-a"}, prompt], params)
+    assert (first.num_cached_tokens, other.num_cached_tokens, bare.num_cached_tokens) == (0, 0, 0)
+    assert same.num_cached_tokens == 24
+    assert other.outputs[0].token_ids == same.outputs[0].token_ids == first.outputs[0].token_ids
