@@ -72,7 +72,7 @@ class LLMEngine:
             np.atleast_1d(model.config.eos_token_id if model.config.eos_token_id is not None else []).tolist())
         self.requests: dict[str, Request] = {}
         self._finished_outside_step: set[str] = set()  # rejected or aborted: reported by the next step
-        self.base_key = jax.random.key_data(jax.random.PRNGKey(seed))
+        self.seed = seed
         self._request_counter = itertools.count()
         self.counters = dict(prompt_tokens=0, generation_tokens=0, prefill_tokens=0, prefill_steps=0,
                              decode_calls=0, decode_steps=0, model_steps=0, running_steps=0,
@@ -93,10 +93,11 @@ class LLMEngine:
         request = Request(request_id, text, ids, params, now, cache_salt=cache_salt)
         index = next(self._request_counter)
         for i in range(params.n):
-            key = (np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.PRNGKey(params.seed), i)))
-                   if params.seed is not None else
-                   np.asarray(jax.random.fold_in(jax.random.fold_in(self.base_key, index), i)))
-            request.seqs.append(Sequence(request, i, list(ids), key.astype(np.uint32)))
+            # A raw threefry key per sample, derived on the host (no device work per request): from
+            # the request's seed, or else from the engine's seed and the request's arrival index.
+            seeds = (np.random.SeedSequence(params.seed, spawn_key=(i,)) if params.seed is not None else
+                     np.random.SeedSequence(self.seed, spawn_key=(1 << 31, index, i)))
+            request.seqs.append(Sequence(request, i, list(ids), seeds.generate_state(2, np.uint32)))
         self.requests[request_id] = request
         self.counters["prompt_tokens"] += len(ids)
         error = self._unservable(request)
