@@ -96,14 +96,26 @@ def prefill_step(graphdef, params, state: DeviceState, ops: HostOps, batch: dict
     def fork_one(child, carry):
         pool, src, dst, ok = carry
         parent = batch["fork_parent"][child]
-        forked, ok1, s, d = bp.fork(pool, jnp.maximum(parent, 0), child)
-        live = parent >= 0
-        pool = bp.select(live, forked, pool)
-        return pool, src.at[child].set(jnp.where(live, s, -1)), dst.at[child].set(jnp.where(live, d, -1)), ok & (ok1 | ~live)
 
-    num_slots = pool.max_seqs
-    none = jnp.full((num_slots,), -1, jnp.int32)
-    pool, src, dst, forked = jax.lax.fori_loop(0, num_slots, fork_one, (pool, none, none, jnp.array(True)))
+        def fork(pool):
+            pool, forked, s, d = bp.fork(pool, parent, child)
+            return pool, s, d, forked
+
+        def skip(pool):
+            return pool, jnp.int32(-1), jnp.int32(-1), jnp.array(True)
+
+        pool, s, d, forked = jax.lax.cond(parent >= 0, fork, skip, pool)
+        return pool, src.at[child].set(s), dst.at[child].set(d), ok & forked
+
+    def fork_all(pool):
+        none = jnp.full((pool.max_seqs,), -1, jnp.int32)
+        return jax.lax.fori_loop(0, pool.max_seqs, fork_one, (pool, none, none, jnp.array(True)))
+
+    def no_forks(pool):  # the common step: no loop over the slots at all
+        none = jnp.full((pool.max_seqs,), -1, jnp.int32)
+        return pool, none, none, jnp.array(True)
+
+    pool, src, dst, forked = jax.lax.cond(jnp.any(batch["fork_parent"] >= 0), fork_all, no_forks, pool)
     cache = copy_blocks(cache, src, dst, backend=flags.backend)
 
     live = batch["logits_rows"] >= 0
