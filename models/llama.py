@@ -1,7 +1,7 @@
 """Llama 3 (Hugging Face `LlamaForCausalLM`'s family) in Flax NNX, reading and writing the paged KV cache.
 
 One forward serves prefill, chunked prefill and decode: a ragged batch of tokens, each layer writes
-its new K/V at `md.slot_mapping` and attends through `paged_jax.attention.attend`. The KV cache is an
+its new K/V at `md.slot_mapping` and attends through `paged_jax.worker.attention.attend`. The KV cache is an
 argument and a return value, never an `nnx.Variable`, so the engine can donate it. Layers are stacked
 on a leading axis and run under `jax.lax.scan`, so compile time does not grow with depth.
 
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from paged_jax.attention import AttentionMetadata, KVCache, attend
+from paged_jax.worker.attention import AttentionMetadata, KVCache, attend
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 # Hugging Face's dtype names for what we compute in; float16 runs as bfloat16 (same bytes, JAX's
@@ -320,7 +320,7 @@ class Llama(nnx.Module):
         mesh=None,
     ):
         """Ragged paged forward -> (f32[num_logits, vocab], cache): prefill, chunked prefill, decode.
-        `mesh`: run attention per tensor-parallel shard (see paged_jax.sharding)."""
+        `mesh`: run attention per tensor-parallel shard (see paged_jax.worker.sharding)."""
         sm_scale = self.config.head_dim**-0.5
 
         def paged(q, k, v, cache, layer):
@@ -346,7 +346,7 @@ class Llama(nnx.Module):
 
     def init_cache(self, num_blocks: int, block_size: int, *, layout: str = "paged") -> KVCache:
         """An empty cache for this model in its dtype: `num_blocks` pool blocks per layer, in the
-        layout the attention backend reads (`paged_jax.attention.cache_layout(backend)`)."""
+        layout the attention backend reads (`paged_jax.worker.attention.cache_layout(backend)`)."""
         c = self.config
         return KVCache.create(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
                               jnp.dtype(c.dtype), layout=layout)

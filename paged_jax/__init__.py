@@ -2,10 +2,19 @@
 
     from paged_jax import LLM, SamplingParams
     outputs = LLM("path/to/checkpoint").generate(["Hello"], SamplingParams(max_tokens=32))
-"""
-from paged_jax.engine import LLMEngine
-from paged_jax.llm import LLM
-from paged_jax.outputs import CompletionOutput, Logprob, RequestOutput
-from paged_jax.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+Laid out as vLLM V1 is: `core/` the host bookkeeping and the pure block pool, `worker/` what runs
+on the device, `engine/` the engine and its inputs and outputs, `entrypoints/` what users call.
+"""
+import sys
+
+from paged_jax.core import block_pool
+from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from paged_jax.engine.sampling_params import SamplingParams
+from paged_jax.entrypoints.llm import LLM
+
+# `import paged_jax.block_pool` (the pool's name before the layout above) keeps working.
+sys.modules[__name__ + ".block_pool"] = block_pool
+
+__all__ = ["LLM", "LLMEngine", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "block_pool"]

@@ -20,7 +20,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 from jax import monitoring  # noqa: E402
 
 from paged_jax import LLM, SamplingParams  # noqa: E402
-from paged_jax.llm import load_model  # noqa: E402
+from paged_jax.entrypoints.llm import load_model  # noqa: E402
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "embedded"
 PROMPTS = ("def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self):\n",

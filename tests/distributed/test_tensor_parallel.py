@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from paged_jax import LLM, SamplingParams, sharding
-from paged_jax import block_pool as bp
-from paged_jax.attention import AttentionMetadata
+from paged_jax import LLM, SamplingParams
+from paged_jax.worker import sharding
+from paged_jax.core import block_pool as bp
+from paged_jax.worker.attention import AttentionMetadata
 from tests.models.model_testing import max_rel_err, random_model, tiny_config
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices: run in its own process "

@@ -7,7 +7,7 @@ from flax import nnx
 from model_testing import LLAMA3_SCALING, dense_logits, max_rel_err, tiny_config
 from models.checkpoint import load_model
 from models.llama import forward, rope_inv_freq
-from paged_jax.attention import AttentionMetadata
+from paged_jax.worker.attention import AttentionMetadata
 
 torch = pytest.importorskip("torch")
 

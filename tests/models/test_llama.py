@@ -9,7 +9,7 @@ from flax import nnx
 
 from model_testing import LLAMA3_SCALING, dense_logits, max_rel_err, random_model, tiny_config
 from models.llama import Llama, LlamaConfig, PRESETS, forward, preset, rope_inv_freq
-from paged_jax.attention import AttentionMetadata
+from paged_jax.worker.attention import AttentionMetadata
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24

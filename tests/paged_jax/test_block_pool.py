@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax import block_pool as bp
+from paged_jax.core import block_pool as bp
 
 
 def lens(pool, **by_slot):

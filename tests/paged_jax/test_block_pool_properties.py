@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from paged_jax import block_pool as bp
+from paged_jax.core import block_pool as bp
 
 NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS, MAX_BLOCKS = 14, 4, 5, 6
 

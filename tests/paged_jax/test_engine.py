@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from paged_jax import LLM, SamplingParams
-from paged_jax import block_pool as bp
+from paged_jax.core import block_pool as bp
 from tests.models.model_testing import tiny_config
 
 torch = pytest.importorskip("torch")

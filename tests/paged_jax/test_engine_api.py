@@ -8,7 +8,7 @@ import tokenizers
 
 from models.tokenizer import Tokenizer
 from paged_jax import LLM, LLMEngine, SamplingParams
-from paged_jax import block_pool as bp
+from paged_jax.core import block_pool as bp
 from tests.models.model_testing import dense_logits, random_model, tiny_config
 
 PROMPT = [5, 17, 99, 3, 42, 8, 61, 20, 7, 33, 90, 14]

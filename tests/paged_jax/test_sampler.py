@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax import sampler
-from paged_jax.sampling_params import SamplingParams
+from paged_jax.worker import sampler
+from paged_jax.engine.sampling_params import SamplingParams
 
 VOCAB = 12
 

@@ -2,8 +2,8 @@
 sequences, stop strings, logprobs, and the `RequestOutput`s users read."""
 from __future__ import annotations
 
-from paged_jax.outputs import CompletionOutput, Logprob, RequestOutput
-from paged_jax.sequence import Request, Sequence, Status
+from paged_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from paged_jax.core.sequence import Request, Sequence, Status
 
 
 class OutputProcessor:

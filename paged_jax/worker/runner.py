@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from paged_jax import block_pool as bp
-from paged_jax import sampler
-from paged_jax.attention import AttentionMetadata, KVCache, copy_blocks
+from paged_jax.core import block_pool as bp
+from paged_jax.worker import sampler
+from paged_jax.worker.attention import AttentionMetadata, KVCache, copy_blocks
 
 
 @jax.tree_util.register_dataclass

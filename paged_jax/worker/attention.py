@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
-from paged_jax import sharding
+from paged_jax.worker import sharding
 
 BACKENDS = ("reference", "pallas", "pallas-interpret", "tpu")
 LAYOUTS = ("paged", "tpu")

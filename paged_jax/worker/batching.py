@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from paged_jax import sampler
-from paged_jax.runner import HostOps
-from paged_jax.scheduler import Plan
-from paged_jax.sequence import Sequence
+from paged_jax.worker import sampler
+from paged_jax.worker.runner import HostOps
+from paged_jax.core.scheduler import Plan
+from paged_jax.core.sequence import Sequence
 
 MIN_TOKEN_BUCKET = 16
 

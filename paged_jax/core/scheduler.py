@@ -13,8 +13,8 @@ import dataclasses
 
 import numpy as np
 
-from paged_jax.prefix_cache import PrefixCache, extend_block_hashes
-from paged_jax.sequence import Sequence, Status
+from paged_jax.core.prefix_cache import PrefixCache, extend_block_hashes
+from paged_jax.core.sequence import Sequence, Status
 
 
 @dataclasses.dataclass

@@ -6,10 +6,10 @@ import itertools
 import json
 from pathlib import Path
 
-from paged_jax.engine import LLMEngine
-from paged_jax.outputs import RequestOutput
-from paged_jax.sampling_params import SamplingParams
-from paged_jax.sharding import AXIS, make_mesh
+from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.engine.outputs import RequestOutput
+from paged_jax.engine.sampling_params import SamplingParams
+from paged_jax.worker.sharding import AXIS, make_mesh
 
 # config.json's model_type -> the module that loads it, imported only when used (as vLLM's registry
 # does), so that paged_jax never imports models at module level.

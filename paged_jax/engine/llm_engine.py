@@ -13,14 +13,16 @@ import jax
 import numpy as np
 from flax import nnx
 
-from paged_jax import batching, block_pool, config as config_lib, runner, sharding
-from paged_jax.attention import cache_layout, resolve_backend
-from paged_jax.output_processor import OutputProcessor
-from paged_jax.outputs import RequestOutput
-from paged_jax.prefix_cache import PrefixCache
-from paged_jax.sampling_params import SamplingParams
-from paged_jax.scheduler import Plan, Scheduler
-from paged_jax.sequence import Request, Sequence, Status
+from paged_jax.core import block_pool
+from paged_jax.core.prefix_cache import PrefixCache
+from paged_jax.core.scheduler import Plan, Scheduler
+from paged_jax.core.sequence import Request, Sequence, Status
+from paged_jax.engine import config as config_lib
+from paged_jax.engine.output_processor import OutputProcessor
+from paged_jax.engine.outputs import RequestOutput
+from paged_jax.engine.sampling_params import SamplingParams
+from paged_jax.worker import batching, runner, sharding
+from paged_jax.worker.attention import cache_layout, resolve_backend
 
 
 class LLMEngine:
@@ -28,7 +30,7 @@ class LLMEngine:
                  kv_cache_memory_fraction=0.9, max_num_seqs=None, max_num_batched_tokens=None,
                  max_model_len=None, num_decode_steps=8, long_prefill_token_threshold=0,
                  enable_prefix_caching=True, attention_backend="auto", seed=0, mesh=None, log_stats=True):
-        """`mesh`: a jax Mesh with a "model" axis for tensor parallelism (paged_jax.sharding)."""
+        """`mesh`: a jax Mesh with a "model" axis for tensor parallelism (paged_jax.worker.sharding)."""
         if mesh is not None:
             model = sharding.shard_model(model, mesh)
         self.mesh = mesh

@@ -1,0 +1,1 @@
+"""The engine (add_request / step / abort_request), its configuration, output processing and output types."""

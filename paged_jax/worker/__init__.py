@@ -1,0 +1,1 @@
+"""What runs on the device: the jitted runner, its input batches, attention dispatch, sampling, sharding."""
