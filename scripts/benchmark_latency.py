@@ -7,7 +7,10 @@ no run hits the prefix cache of the one before.
 
 Per-token latency is the decode time per output token after the first, (finish - first token) /
 (output_len - 1); the engine returns tokens K = --num-decode-steps at a time, so it is their mean.
-Compile time is the first run's extra time over the median run, reported apart.
+Compile time is the first run's extra time over the median run, reported apart. Also the host's
+share of the engine's time (scheduling, batching, output processing: busy time less the device
+calls) per device call, and the bytes each decode call moves between host and device; run it at
+`--batch-size 256` for a GPU's default concurrency.
 """
 from __future__ import annotations
 
@@ -60,7 +63,16 @@ def main(argv=None):
               num_decode_steps=args.num_decode_steps, log_stats=False)
     rng = np.random.default_rng(args.seed)
     warmup = [run_once(llm, args, rng) for _ in range(args.num_iters_warmup)]
+    before = llm.stats()
     runs = [run_once(llm, args, rng) for _ in range(args.num_iters)]
+    after = llm.stats()
+    d = {k: after[k] - before[k] for k in ("busy_seconds", "device_seconds", "decode_calls", "prefill_steps",
+                                           "decode_bytes_to_device", "decode_bytes_from_device")}
+    calls = d["decode_calls"] + d["prefill_steps"]
+    host = dict(host_ms_per_call=1e3 * (d["busy_seconds"] - d["device_seconds"]) / calls,
+                host_share=1 - d["device_seconds"] / d["busy_seconds"],
+                decode_bytes_to_device=d["decode_bytes_to_device"] / d["decode_calls"],
+                decode_bytes_from_device=d["decode_bytes_from_device"] / d["decode_calls"])
     latency = [r["latency_s"] for r in runs]
     summary = dict(first_run_extra_s=warmup[0]["latency_s"] - float(np.median(latency)),
                    compile_s=warmup[0]["compile_s"], timed_runs_compile_s=sum(r["compile_s"] for r in runs))
@@ -74,10 +86,13 @@ def main(argv=None):
           f"{args.num_iters} timed runs; decode {decode_tok_s:.1f} tok/s")
     print(f"compile: the first run took {summary['first_run_extra_s']:.2f} s longer than the median (jax compile "
           f"events: {summary['compile_s']:.2f} s); the timed runs compiled {summary['timed_runs_compile_s']:.2f} s")
+    print(f"host: {host['host_ms_per_call']:.2f} ms per device call ({host['host_share']:.1%} of the engine's time); "
+          f"each decode call of {args.num_decode_steps} steps sends {host['decode_bytes_to_device'] / 1024:.1f} KiB "
+          f"and fetches {host['decode_bytes_from_device'] / 1024:.1f} KiB")
     benchlib.print_table(rows, [("name", "metric", "s"), ("mean", "mean", ".2f")]
                          + [(f"p{q}", f"p{q}", ".2f") for q in QUANTILES])
     if args.json:
-        result = dict(vars(args), **summary, decode_tok_s=decode_tok_s, rows=rows, raw=metrics)
+        result = dict(vars(args), **summary, **host, decode_tok_s=decode_tok_s, rows=rows, raw=metrics)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
 

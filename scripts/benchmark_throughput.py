@@ -4,12 +4,17 @@ all submitted at once with ignore_eos, greedy, on one random Llama (58M paramete
     python scripts/benchmark_throughput.py                      # paged engine vs the alternatives
     python scripts/benchmark_throughput.py --section memory     # one KV budget: paged vs contiguous
     python scripts/benchmark_throughput.py --section prefix     # shared system prompt, caching on/off
+    python scripts/benchmark_throughput.py --section capacity --hidden-size 256 --num-layers 4
+                                                                # the same requests, rising engine capacity
 
 Sections: `engines`: the paged engine (block_size 16); the same engine with block_size = max_model_len
 (a contiguous reservation of the longest answer per request); a plain JAX greedy loop over a dense KV
 cache with static batches; Hugging Face `generate` on torch (when installed). `memory`: the paper's
 claim, with one KV budget small enough that it, not --max-num-seqs, limits the contiguous engine.
-`prefix`: every prompt starts with the same system prompt. Run time excludes jit compile time.
+`prefix`: every prompt starts with the same system prompt. `capacity`: 8 requests (32 prompt, 64
+output tokens) on engines of rising max_num_seqs x max_model_len up to GPU defaults (256, 131072),
+then 128 requests at the largest: the cost of a step must follow the work, not the capacity. Run
+time excludes jit compile time (each engine first runs other prompts of the same lengths).
 """
 from __future__ import annotations
 
@@ -40,7 +45,24 @@ COLUMNS = {
                         ("ttft_p50_s", "TTFT p50 s", ".2f"), ("hit_rate", "hit rate", ".1%"),
                         ("total_tok_s", "total tok/s", ".1f"), ("ratio", "x baseline", ".2f"),
                         ("run_s", "run s", ".1f")],
+    "capacity": COMMON + [("output_tok_s", "output tok/s", ".1f"), ("ratio", "x baseline", ".2f"),
+                          ("run_s", "run s", ".2f"), ("compile_s", "compile s", ".1f"), ("same_tokens", "same tokens", ".0%")],
 }
+CAPACITIES = ((8, 1024), (32, 1024), (256, 1024), (8, 32768), (256, 32768), (256, 131072))
+
+
+def capacity_rows(args, model):
+    """-> (rows, the 8 prompts): the same requests on engines of rising capacity (the 128-request row
+    starts with the same 8), each engine warmed up on other prompts of the same lengths first."""
+    rng = np.random.default_rng(args.seed)
+    prompts = [rng.integers(0, args.vocab_size, 32).tolist() for _ in range(128)]
+    rows = []
+    for num_seqs, max_len, n in [(s, m, 8) for s, m in CAPACITIES] + [(256, 131072, 128)]:
+        llm = benchlib.make_llm(model, block_size=16, kv_tokens=2047 * 16, max_num_seqs=num_seqs, max_model_len=max_len)
+        engine_row("warm-up", llm, [rng.integers(0, args.vocab_size, 32).tolist() for _ in range(n)], [64] * n)
+        rows.append(engine_row(f"max_num_seqs {num_seqs}, max_model_len {max_len}, {n} requests", llm,
+                               prompts[:n], [64] * n))
+    return rows, prompts[:8]
 SUFFIX_LENS = (8, 64)  # prefix section: each prompt's own tokens after the shared ones, uniform in [8, 64)
 
 
@@ -100,17 +122,22 @@ def run_section(args, model):
                            prompts, outs, read_pool=True)
                 for name, blocks in (("paged (block_size 16)", paged), (contiguous_name, contiguous))]
         baseline = 1
+    elif args.section == "capacity":
+        (rows, prompts), outs, baseline = capacity_rows(args, model), [64] * 8, 0
     else:
         rows = [engine_row(f"prefix caching {'on' if on else 'off'}", benchlib.make_llm(
             model, **paged, kv_tokens=room, enable_prefix_caching=on, **kw), prompts, outs) for on in (False, True)]
         baseline = 0
-    # Every row does the same work, so throughput ratios are ratios of run times.
+    # Every row does the same work (capacity: per request), so throughput ratios are ratios of tok/s.
     reference, num_in, num_out = rows[0]["answers"], sum(map(len, prompts)), sum(outs)
     for row in rows:
-        run_s = row["run_s"]
-        row.update(output_tok_s=num_out / run_s, total_tok_s=(num_in + num_out) / run_s,
-                   requests_s=len(prompts) / run_s, ratio=rows[baseline]["run_s"] / run_s,
-                   same_tokens=float(np.mean([a == b for a, b in zip(row.pop("answers"), reference)])))
+        run_s, answers = row["run_s"], row.pop("answers")
+        scale = len(answers) / len(prompts)
+        row.update(output_tok_s=scale * num_out / run_s, total_tok_s=scale * (num_in + num_out) / run_s,
+                   requests_s=len(answers) / run_s,
+                   same_tokens=float(np.mean([a == b for a, b in zip(answers, reference)])))
+    for row in rows:
+        row["ratio"] = row["output_tok_s"] / rows[baseline]["output_tok_s"]
     return rows, baseline, dict(num_requests=len(prompts), num_prompt_tokens=num_in, num_output_tokens=num_out,
                                 mean_input_len=num_in / len(prompts), mean_output_len=num_out / len(prompts),
                                 max_model_len=args.max_model_len)
@@ -138,7 +165,7 @@ def main(argv=None):
     if args.max_model_len & (args.max_model_len - 1):
         ap.error(f"--max-model-len {args.max_model_len}: the contiguous run's block size, so a power of two")
     args.num_requests = args.num_requests or (32 if args.section == "prefix" else 16)
-    model = benchlib.random_llama(args, args.max_model_len)
+    model = benchlib.random_llama(args, 131072 if args.section == "capacity" else args.max_model_len)
     rows, baseline, info = run_section(args, model)
     budget = benchlib.kv_bytes_per_token(model.config) * args.kv_budget_seqs * args.max_model_len
     print(f"{args.section}: {info['num_requests']} requests, mean input {info['mean_input_len']:.0f} / output "

@@ -75,6 +75,32 @@ def init(num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: in
     )
 
 
+def rows(pool: BlockPool, slots, width: int) -> BlockPool:
+    """The pool seen through the sequence slots `slots` (i32[n], -1 = an empty padding row), each
+    table cut to its first `width` (static) entries: every function here works on it as on a pool of
+    n slots, so a step costs its batch's rows and longest table, not the capacity. Per-block state
+    is shared with `pool`; `put_rows` writes the rows back."""
+    live = slots >= 0
+    safe = jnp.where(live, slots, 0)
+    return dataclasses.replace(pool, block_tables=jnp.where(live[:, None], pool.block_tables[safe, :width], NULL_BLOCK),
+                               seq_lens=jnp.where(live, pool.seq_lens[safe], 0))
+
+
+def put_rows(pool: BlockPool, view: BlockPool, slots) -> BlockPool:
+    """`view` (from `rows(pool, slots, width)`) merged back into `pool`. A slot's entries past
+    `width` must be unmapped (NULL_BLOCK) in `pool`, which holds when `width` covers its blocks."""
+    target = jnp.where(slots >= 0, slots, pool.max_seqs)  # padding rows: dropped
+    width = view.max_blocks_per_seq
+    return dataclasses.replace(view, block_tables=pool.block_tables.at[target, :width].set(view.block_tables, mode="drop"),
+                               seq_lens=pool.seq_lens.at[target].set(view.seq_lens, mode="drop"))
+
+
+def uncache_all(pool: BlockPool) -> BlockPool:
+    """No block holds a prefix-cache entry any more (vLLM's reset_prefix_cache); the free queue keeps
+    its order."""
+    return dataclasses.replace(pool, cached=jnp.zeros_like(pool.cached))
+
+
 def select(ok, new: BlockPool, old: BlockPool) -> BlockPool:
     """`new` where `ok`, else `old`: how a composite call hands back the pool unchanged on failure."""
     return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
@@ -253,10 +279,12 @@ def _share(pool: BlockPool, seqs, block_ids, n, versions):
     usable = ((block_ids > NULL_BLOCK) & (block_ids < pool.num_blocks)
               & ((pool.ref_cnt[safe] > 0) | pool.cached[safe])
               & ((versions < 0) | (versions == pool.version[safe])))
-    same = live[:, :, None] & live[:, None, :] & (block_ids[:, :, None] == block_ids[:, None, :])
+    # A block mapped twice into one row: sort each row's live ids, compare neighbours (O(k log k)).
+    ordered = jnp.sort(jnp.where(live, block_ids, pool.num_blocks + jnp.arange(k)), axis=1)
+    repeated = jnp.any(ordered[:, 1:] == ordered[:, :-1], axis=1)
     slot = jnp.clip(seqs, 0, pool.max_seqs - 1)
     ok = (seqs < 0) | ((pool.seq_lens[slot] == 0) & (n >= 0) & (n <= min(k, mb))
-                       & jnp.all(usable | ~live, axis=1) & (jnp.sum(same, axis=(1, 2)) == n))
+                       & jnp.all(usable | ~live, axis=1) & ~repeated)
     apply = ok & (seqs >= 0)
     rows = jnp.zeros((m, mb), jnp.int32).at[:, :k].set(jnp.where(live, block_ids, NULL_BLOCK)[:, :mb])
     target = jnp.where(apply, slot, pool.max_seqs)  # out of range: dropped

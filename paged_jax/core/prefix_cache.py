@@ -1,9 +1,10 @@
 """Automatic prefix caching, host side: vLLM V1's block hash chain and hash -> block map.
 
 Only full blocks are hashed: hash(parent hash, the block's token ids, extra keys) with sha256, so a
-hit can be trusted without comparing tokens. The map holds `(block_id, version)`: the pool bumps a
-block's version whenever it hands the block out again, so an entry whose block was evicted goes
-stale by itself and a lookup that sees another version treats it as a miss.
+hit can be trusted without comparing tokens. The map holds `(block_id, version)`, and drops an
+entry as soon as the device hands its block out again (vLLM's `_maybe_evict_cached_block`), so it
+never holds more entries than the pool has blocks; the version goes with each hit to the device,
+which refuses a block of another version.
 """
 from __future__ import annotations
 
@@ -38,12 +39,12 @@ class PrefixCache:
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
         self.entries: dict[bytes, tuple[int, int]] = {}  # hash -> (block_id, version)
+        self.hash_of: dict[int, bytes] = {}  # block_id -> the hash whose entry it holds
         self.queries = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
         self.hits = 0  # of those, tokens found cached (prefix_cache_hits)
 
     def candidates(self, hashes: list[bytes], max_blocks: int) -> list[tuple[int, int]]:
-        """The entries of the longest run of leading hashes present in the map (not yet checked
-        against the pool's versions)."""
+        """The entries of the longest run of leading hashes present in the map."""
         found = []
         for h in hashes[:max_blocks] if self.enabled else ():
             entry = self.entries.get(h)
@@ -61,8 +62,20 @@ class PrefixCache:
         """Map a newly filled block; False when the map already holds this very block."""
         if not self.enabled or self.entries.get(block_hash) == (block_id, version):
             return False
+        if block_hash in self.entries:  # computed twice (two requests at once): the newer block wins
+            del self.hash_of[self.entries[block_hash][0]]
+        self.evict([block_id])
         self.entries[block_hash] = (block_id, version)
+        self.hash_of[block_id] = block_hash
         return True
+
+    def evict(self, block_ids) -> None:
+        """These blocks were handed out again: their entries are gone."""
+        for block_id in block_ids:
+            block_hash = self.hash_of.pop(block_id, None)
+            if block_hash is not None:
+                del self.entries[block_hash]
 
     def reset(self) -> None:
         self.entries.clear()
+        self.hash_of.clear()

@@ -2,9 +2,10 @@
 each sequence brings its computed tokens up to its tokens within a token budget, which covers
 chunked prefill, prefix hits and resumption after preemption in one mechanism.
 
-The device pool is mirrored from the snapshot that every device call returns (block tables and
-their versions, free count); the scheduler plans the step's pool operations on that mirror, and
-the runner replays them in the same order on the device, so they cannot fail there.
+The scheduler plans each step's pool operations on a host mirror of the device pool
+(`PoolMirror`, updated from the rows each device call returns) and the runner replays them in the
+same order on the device, so they cannot fail there. One step is `schedule()`, the device call,
+then `update_from_output(plan, output)`, which owns every transition the output causes.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import dataclasses
 
 import numpy as np
 
+from paged_jax.core.model_output import ModelOutput
+from paged_jax.core.pool_mirror import PoolMirror
 from paged_jax.core.prefix_cache import PrefixCache, extend_block_hashes
 from paged_jax.core.sequence import Sequence, Status
 
@@ -20,17 +23,21 @@ from paged_jax.core.sequence import Sequence, Status
 @dataclasses.dataclass
 class Plan:
     scheduled: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)  # (seq, new tokens)
-    admitted: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # slot -> prefix-hit blocks
+    admitted: dict[int, tuple[list[int], list[int]]] = dataclasses.field(default_factory=dict)  # slot -> hits, versions
     forks: list[tuple[Sequence, Sequence]] = dataclasses.field(default_factory=list)  # (child, parent)
     preempted: list[Sequence] = dataclasses.field(default_factory=list)
     free_slots: list[int] = dataclasses.field(default_factory=list)
     marks: list[int] = dataclasses.field(default_factory=list)
+    free_blocks: int = 0  # the most blocks any freed slot held (the device's table width for the frees)
+    num_waiting: int = 0  # requests still waiting after this plan (the decode loop leaves early for them)
 
     @property
     def is_decode(self) -> bool:
-        """Only running sequences with one pending token each: the device's K-step loop can run."""
-        return (not self.admitted and not self.forks and not self.preempted
-                and all(n == 1 for _, n in self.scheduled))
+        """Only running sequences whose one pending token is their last sampled one: the device's
+        K-step loop can run. (A sequence still in its prefill that the budget gives one token is not
+        decoding: the loop would feed its last token at the wrong position.)"""
+        return bool(self.scheduled) and not (self.admitted or self.forks or self.preempted) and all(
+            n == 1 and seq.num_tokens - seq.num_computed == 1 for seq, n in self.scheduled)
 
 
 class Scheduler:
@@ -46,27 +53,17 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.free_slot_ids = list(range(max_num_seqs))
         self.pending_free: list[int] = []  # slots of finished sequences, freed on the next call
+        self.pending_free_blocks = 0
         self.pending_marks: list[int] = []  # blocks newly entered in the prefix cache
         self.num_preemptions = 0
-        self.observe(dict(block_tables=np.zeros((max_num_seqs, max_blocks_per_seq), np.int32),
-                          seq_lens=np.zeros(max_num_seqs, np.int32),
-                          table_versions=np.zeros((max_num_seqs, max_blocks_per_seq), np.int32),
-                          num_free=num_blocks - 1))
+        self.pool = PoolMirror(num_blocks, block_size, max_num_seqs, max_blocks_per_seq)
 
-    # -- the mirror of the device pool ---------------------------------------------------------
-
-    def observe(self, snapshot) -> None:
-        """Take the pool state a device call returned."""
-        self.tables = np.asarray(snapshot["block_tables"])
-        self.lens = np.asarray(snapshot["seq_lens"])
-        self.table_versions = np.asarray(snapshot["table_versions"])
-        self.num_free = int(snapshot["num_free"])
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
 
     def _blocks(self, n):
         return -(-n // self.block_size)
-
-    def slot_blocks(self, slot) -> np.ndarray:
-        return self.tables[slot, : self._blocks(int(self.lens[slot]))]
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -89,6 +86,8 @@ class Scheduler:
 
     def _release_slot(self, seq: Sequence) -> None:
         if seq.slot >= 0:
+            self.pending_free_blocks = max(self.pending_free_blocks, self.pool.num_blocks_of(seq.slot))
+            self.pool.release(seq.slot)
             self.pending_free.append(seq.slot)
             self.free_slot_ids.append(seq.slot)
             self.free_slot_ids.sort()
@@ -100,23 +99,12 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def schedule(self, block_versions) -> Plan:
-        """Plan the next step. `block_versions(ids) -> versions` reads the pool's block versions
-        (a small device gather) to check prefix-cache entries."""
+    def schedule(self) -> Plan:
+        """Plan the next step on the mirror: frees since the last call, then vLLM's two passes."""
         plan = Plan(marks=self.pending_marks, free_slots=self.pending_free)
         self.pending_marks, self.pending_free = [], []
-        mapped = np.arange(self.tables.shape[1])[None, :] < self._blocks(self.lens)[:, None]
-        ref = np.bincount(self.tables[mapped], minlength=self.num_blocks)
-        free = self.num_free
-
-        def release(slot):
-            nonlocal free
-            for b in self.slot_blocks(slot):
-                ref[b] -= 1
-                free += int(ref[b] == 0)
-
-        for slot in plan.free_slots:
-            release(slot)
+        ref, free = self.pool.ref, self.pool.num_free  # planned on, never written
+        hit_refs: dict[int, int] = {}  # references this plan adds to prefix-hit blocks
         budget = self.max_num_batched_tokens
 
         # Pass 1: running sequences in admission order; preempt from the back when blocks run out.
@@ -127,17 +115,16 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            need = self._blocks(seq.num_computed + n) - self._blocks(int(self.lens[seq.slot]))
+            need = self._blocks(seq.num_computed + n) - self.pool.num_blocks_of(seq.slot)
             need += self._fork_blocks(seq, n)
             while need > free and self.running:
                 victim = self.running.pop()
                 for s in [victim, *victim.children]:
                     if s.slot >= 0:
-                        release(s.slot)
-                        plan.free_slots.append(s.slot)
-                        self.free_slot_ids.append(s.slot)
-                        s.slot = -1
-                self.free_slot_ids.sort()
+                        freed = self.pool.blocks_freed_by(s.slot)
+                        self._release_slot(s)
+                        plan.free_slots.append(self.pending_free.pop())
+                        free += freed
                 victim.status, victim.num_computed, victim.num_cached_blocks = Status.WAITING, 0, 0
                 plan.preempted.append(victim)
                 self.num_preemptions += 1
@@ -157,16 +144,17 @@ class Scheduler:
             seq = self.waiting[0]
             if len(self.free_slot_ids) < 1 + len(seq.children):
                 break
-            hits = self._prefix_hits(seq, block_versions) if seq.num_computed == 0 else []
+            hits = self._prefix_hits(seq) if seq.num_computed == 0 else []
             cached = len(hits) * self.block_size
             n = self._chunk(seq.num_tokens - cached, budget)
-            need = self._blocks(cached + n) - len(hits) + sum(int(ref[b] == 0) for b in hits)
+            revived = sum(int(ref[b] + hit_refs.get(b, 0) == 0) for b, _ in hits)  # taken back from the free queue
+            need = self._blocks(cached + n) - len(hits) + revived
             need += self._fork_blocks(seq, n, cached)
             if need > free:
                 break
             self.waiting.popleft()
-            for b in hits:
-                ref[b] += 1
+            for b, _ in hits:
+                hit_refs[b] = hit_refs.get(b, 0) + 1
             free -= need
             budget -= n
             seq.slot = self.free_slot_ids.pop(0)
@@ -176,13 +164,21 @@ class Scheduler:
             self.prefix_cache.record(seq.num_tokens, cached)
             if seq.request.num_cached_tokens is None:
                 seq.request.num_cached_tokens = cached
-            plan.admitted[seq.slot] = hits
+            plan.admitted[seq.slot] = ([b for b, _ in hits], [v for _, v in hits])
             plan.scheduled.append((seq, n))
             self.running.append(seq)
 
         for seq, n in plan.scheduled:
             if seq.children and seq.num_computed + n == seq.num_tokens:
                 plan.forks += [(child, seq) for child in seq.children]
+        plan.num_waiting = len(self.waiting)
+        plan.free_blocks, self.pending_free_blocks = self.pending_free_blocks, 0
+        return plan
+
+    def take_pool_ops(self) -> Plan:
+        """Going idle: a plan of just the pending frees and cache marks."""
+        plan = Plan(marks=self.pending_marks, free_slots=self.pending_free, free_blocks=self.pending_free_blocks)
+        self.pending_marks, self.pending_free, self.pending_free_blocks = [], [], 0
         return plan
 
     def _chunk(self, n, budget):
@@ -196,26 +192,44 @@ class Scheduler:
         done = (seq.num_computed if computed is None else computed) + n == seq.num_tokens
         return len(seq.children) if (seq.children and done and seq.num_tokens % self.block_size) else 0
 
-    def _prefix_hits(self, seq, block_versions) -> list[int]:
-        """Leading cached blocks whose entries are still current; at most (num_tokens - 1) // bs,
-        so a fully cached prompt still computes its last token for logits (vLLM)."""
-        entries = self.prefix_cache.candidates(seq.block_hashes, (seq.num_tokens - 1) // self.block_size)
-        if not entries:
-            return []
-        ids = np.array([b for b, _ in entries], np.int32)
-        current = np.asarray(block_versions(ids)) == np.array([v for _, v in entries])
-        count = len(entries) if current.all() else int(np.argmin(current))
-        return ids[:count].tolist()
+    def _prefix_hits(self, seq) -> list[tuple[int, int]]:
+        """Leading cached blocks (block, version); at most (num_tokens - 1) // bs, so a fully cached
+        prompt still computes its last token for logits (vLLM). Every entry is current: the map
+        drops one as soon as the device hands its block out again."""
+        return self.prefix_cache.candidates(seq.block_hashes, (seq.num_tokens - 1) // self.block_size)
 
-    def after_step(self, plan: Plan) -> None:
-        """Forked children join the running sequences; every running sequence's computed tokens
-        are what the device pool now maps for its slot."""
+    def update_from_output(self, plan: Plan, output: ModelOutput) -> list[tuple[Sequence, int, int]]:
+        """Every transition one device call causes: the pool mirror, forked children joining,
+        computed tokens, the sampled tokens appended, device stops (stop token, length), and the
+        newly full blocks entered in the prefix cache -> (seq, output row, new tokens) of each
+        sequence that received tokens (finished ones included)."""
+        self.prefix_cache.evict(self.pool.apply(output.delta))
         for child, parent in plan.forks:
             child.status = Status.RUNNING
             self.running.append(child)
             parent.children = []
-        for seq in self.running:
-            seq.num_computed = int(self.lens[seq.slot])
+        row_of = {int(slot): i for i, slot in enumerate(output.delta.slots) if slot >= 0}
+        progressed = []
+        for seq in list(self.running):
+            seq.num_computed = int(self.pool.lens[seq.slot])
+            row = row_of.get(seq.slot)
+            if row is None:
+                continue
+            self.cache_full_blocks(seq)  # prompt chunks too: a request admitted next step can hit them
+            taken = int(np.sum(output.tokens[row] >= 0))
+            if taken == 0:
+                continue
+            seq.token_ids += output.tokens[row, :taken].tolist()
+            seq.token_logprobs += output.logprob[row, :taken].tolist()
+            progressed.append((seq, row, taken))
+            code = int(output.finish[row])
+            if code == 1:
+                if seq.token_ids[-1] in seq.request.params.stop_token_ids:
+                    seq.stop_reason = seq.token_ids[-1]
+                self.finish(seq, Status.FINISHED_STOPPED)
+            elif code == 2:
+                self.finish(seq, Status.FINISHED_LENGTH)
+        return progressed
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Enter the sequence's computed full blocks in the prefix cache (prompt and output alike,
@@ -225,7 +239,7 @@ class Scheduler:
         extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.request.cache_salt)
         full = min(seq.num_computed, seq.num_tokens) // self.block_size
         for i in range(seq.num_cached_blocks, full):
-            block, version = int(self.tables[seq.slot, i]), int(self.table_versions[seq.slot, i])
-            if self.prefix_cache.insert(seq.block_hashes[i], block, version):
+            block = int(self.pool.tables[seq.slot, i])
+            if self.prefix_cache.insert(seq.block_hashes[i], block, int(self.pool.version[block])):
                 self.pending_marks.append(block)
         seq.num_cached_blocks = max(seq.num_cached_blocks, full)

@@ -8,6 +8,7 @@ import jax
 
 # On CPU there are no device memory stats to read: the KV cache gets this many bytes.
 CPU_KV_CACHE_BYTES = 256 * 2**20
+DEFAULT_UTILIZATION = 0.9  # vLLM's gpu_memory_utilization default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,23 +41,46 @@ def _check_positive(**values):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def kv_budget_bytes(fraction: float) -> int:
-    """Bytes for the KV cache: `fraction` of the device memory left after the weights (read from
-    the device's memory stats), or a fixed budget on CPU."""
-    if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {fraction!r}")
-    device = jax.devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and "bytes_limit" in stats:
-        return int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * fraction)
-    return int(CPU_KV_CACHE_BYTES * fraction)
+def kv_budget_bytes(*, gpu_memory_utilization=None, kv_cache_memory_fraction=None, activation_bytes=None,
+                    memory_stats=None) -> int:
+    """Bytes for the KV cache.
+
+    On a device with memory stats (GPU, TPU), vLLM's `gpu_memory_utilization` (default 0.9): this
+    engine may use that fraction of the whole device memory, weights (already on the device),
+    activation peak (`activation_bytes()`, measured from the compiled step) and KV together; the KV
+    pool gets the rest. `kv_cache_memory_fraction`, when given, wins: that fraction of the memory the
+    weights leave free, activations not counted. On CPU (no stats) the device is a fixed
+    CPU_KV_CACHE_BYTES, of which the KV gets either fraction."""
+    for name, value in (("gpu_memory_utilization", gpu_memory_utilization),
+                        ("kv_cache_memory_fraction", kv_cache_memory_fraction)):
+        if value is not None and not 0.0 < value <= 1.0:
+            raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+    if memory_stats is None:
+        device = jax.devices()[0]
+        memory_stats = device.memory_stats() if device.platform != "cpu" else None
+    if not memory_stats or "bytes_limit" not in memory_stats:
+        return int(CPU_KV_CACHE_BYTES * (kv_cache_memory_fraction or gpu_memory_utilization or DEFAULT_UTILIZATION))
+    total, in_use = memory_stats["bytes_limit"], memory_stats.get("bytes_in_use", 0)
+    if kv_cache_memory_fraction is not None:
+        return int((total - in_use) * kv_cache_memory_fraction)
+    utilization = gpu_memory_utilization or DEFAULT_UTILIZATION
+    activations = activation_bytes() if activation_bytes is not None else 0
+    budget = int(utilization * total - in_use - activations)
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization={utilization} allows {utilization * total / 2**30:.2f} GiB, but the "
+                         f"weights take {in_use / 2**30:.2f} GiB and the activation peak "
+                         f"{activations / 2**30:.2f} GiB: nothing is left for the KV cache")
+    return budget
 
 
-def resolve(model_config, *, block_size, num_blocks, kv_cache_memory_fraction, max_num_seqs,
+def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None, kv_cache_memory_fraction=None,
+            activation_bytes=None, max_num_seqs,
             max_num_batched_tokens, max_model_len, num_decode_steps, long_prefill_token_threshold,
             enable_prefix_caching, attention_backend, kv_dtype, kv_shards=1) -> EngineConfig:
     """`kv_shards`: devices the KV heads are split over (tensor parallelism); the budget is per
-    device, so each block costs a device 1 / kv_shards of its bytes."""
+    device, so each block costs a device 1 / kv_shards of its bytes. `activation_bytes(num_tokens,
+    max_num_seqs, max_model_len)` measures the activation peak of the largest step (called only on a
+    device with memory stats)."""
     _check_positive(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                     num_decode_steps=num_decode_steps)
@@ -77,7 +101,11 @@ def resolve(model_config, *, block_size, num_blocks, kv_cache_memory_fraction, m
                        * model_config.head_dim * jax.numpy.dtype(kv_dtype).itemsize)
     useful = max_num_seqs * -(-max_model_len // block_size) + 1  # more could never be used
     if num_blocks is None:
-        num_blocks = min(useful, kv_budget_bytes(kv_cache_memory_fraction) * kv_shards // bytes_per_block)
+        budget = kv_budget_bytes(
+            gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_fraction=kv_cache_memory_fraction,
+            activation_bytes=activation_bytes and (lambda: activation_bytes(max_num_batched_tokens, max_num_seqs,
+                                                                            max_model_len)))
+        num_blocks = min(useful, budget * kv_shards // bytes_per_block)
     if num_blocks < 2:
         raise ValueError(f"the KV cache holds {num_blocks} blocks of {bytes_per_block} bytes; "
                          "at least 2 are needed: raise the budget or lower block_size")

@@ -10,18 +10,22 @@ class OutputProcessor:
     def __init__(self, tokenizer=None):
         self.tokenizer = tokenizer
 
-    def append(self, seq: Sequence, out: dict, j: int) -> None:
-        """Append the j-th token the device sampled for `seq`, with its logprobs."""
-        token = int(out["tokens"][seq.slot, j])
-        logprob = float(out["logprob"][seq.slot, j])
-        seq.token_ids.append(token)
-        seq.token_logprobs.append(logprob)
-        n = seq.request.params.logprobs
-        if n is not None:
-            entry = {token: Logprob(logprob, int(out["rank"][seq.slot, j]), self._piece(token))}
-            for r, (tid, lp) in enumerate(zip(out["top_ids"][seq.slot, j][:n], out["top_logprobs"][seq.slot, j][:n])):
-                entry.setdefault(int(tid), Logprob(float(lp), r + 1, self._piece(int(tid))))
-            seq.logprobs = (seq.logprobs or []) + [entry]
+    def process(self, seq: Sequence, output, row: int, n: int) -> bool:
+        """The scheduler appended `n` new tokens to `seq` from row `row` of a `ModelOutput`: build their
+        logprob entries and check stop strings -> True when a stop string ended the sequence (its
+        status is then FINISHED_STOPPED; the engine frees it if the device had not stopped it)."""
+        wanted = seq.request.params.logprobs
+        if wanted is not None:
+            for j, token in enumerate(seq.output_ids[seq.num_output - n:]):
+                entry = {token: Logprob(float(output.logprob[row, j]), int(output.rank[row, j]), self._piece(token))}
+                for r, (tid, lp) in enumerate(zip(output.top_ids[row, j][:wanted], output.top_logprobs[row, j][:wanted])):
+                    entry.setdefault(int(tid), Logprob(float(lp), r + 1, self._piece(int(tid))))
+                seq.logprobs = (seq.logprobs or []) + [entry]
+        if not seq.request.params.stop or self.check_stop_strings(seq) is None:
+            return False
+        if seq.finished:  # the device stopped it on length in the same step: the stop string wins
+            seq.status = Status.FINISHED_STOPPED
+        return True
 
     def _piece(self, token):
         return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else None

@@ -30,12 +30,16 @@ def load_model(path, dtype=None):
 
 class LLM:
     def __init__(self, model, *, tokenizer=None, block_size=16, num_blocks=None,
-                 kv_cache_memory_fraction=0.9, max_num_seqs=None, max_num_batched_tokens=None,
+                 gpu_memory_utilization=None, kv_cache_memory_fraction=None, max_num_seqs=None,
+                 max_num_batched_tokens=None,
                  max_model_len=None, enable_prefix_caching=True, dtype=None, attention_backend="auto",
                  seed=0, tensor_parallel_size=1, mesh=None, num_decode_steps=8,
                  long_prefill_token_threshold=0, log_stats=True):
         """`model`: a checkpoint directory (Hugging Face safetensors or a converted Orbax one) or a
-        model object (e.g. `models.Llama`), with an optional `tokenizer`."""
+        model object (e.g. `models.Llama`), with an optional `tokenizer`. Memory, as vLLM's:
+        `gpu_memory_utilization` (default 0.9) is the fraction of the device this engine may use,
+        weights, activation peak and KV together; `kv_cache_memory_fraction`, if given, wins and
+        gives the KV that fraction of what the weights leave (see engine.config.kv_budget_bytes)."""
         if mesh is None and tensor_parallel_size != 1:
             mesh = make_mesh(tensor_parallel_size)
         elif mesh is not None and tensor_parallel_size not in (1, mesh.shape.get(AXIS)):
@@ -48,7 +52,8 @@ class LLM:
             raise ValueError("dtype applies when loading a checkpoint; build the model object in the dtype you want")
         self.engine = LLMEngine(
             model, tokenizer, block_size=block_size, num_blocks=num_blocks,
-            kv_cache_memory_fraction=kv_cache_memory_fraction, max_num_seqs=max_num_seqs,
+            gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_fraction=kv_cache_memory_fraction,
+            max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             num_decode_steps=num_decode_steps, long_prefill_token_threshold=long_prefill_token_threshold,
             enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend, seed=seed,
@@ -61,7 +66,8 @@ class LLM:
     def generate(self, prompts, sampling_params=None, *, use_tqdm=False) -> list[RequestOutput]:
         """Outputs in the order of `prompts`: a string, a list of strings, a list of token-id lists,
         or dicts `{"prompt": str | "prompt_token_ids": list[int], "cache_salt": str}`."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        # One prompt (a string, a dict, or token ids) is a list of one: a dict iterated would give its keys.
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
@@ -96,3 +102,7 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (vLLM's name); False, changing nothing, while requests hold blocks."""
+        return self.engine.reset_prefix_cache()

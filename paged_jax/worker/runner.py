@@ -1,12 +1,15 @@
-"""The device side of the engine: two jitted entry points over the KV pages, the block pool and the
-sampling state, all donated so XLA updates them in place.
+"""The device side of the engine: jitted entry points over the KV pages, the block pool and the
+sampling state, all donated so XLA updates them in place. Each works on the rows of the batch (a
+`block_pool.rows` view, tables cut to the batch's width), so its cost follows the work in flight:
 
-- `prefill_step`: one ragged batch (prompt chunks, resumed prompts and decode rows) with the host's
-  pool operations for the step (cache marks, frees, prefix hits, growth, forks);
-- `decode_steps`: a `lax.while_loop` of up to K decode steps, each allocating its slots with the
-  block pool's own pure functions, running the model, sampling and checking stops, so the host
-  sees results once per K tokens. It leaves early when every sequence has finished, when the pool
-  cannot grow (the host then preempts), or, if asked, as soon as one finishes (to admit waiters).
+- `prefill_step`: one ragged batch (prompt chunks, resumed prompts, decode rows, forked children)
+  with its prefix hits, growth and forks;
+- `decode_steps`: a `lax.while_loop` of up to K decode steps, each allocating its rows' blocks with
+  the block pool's own pure functions, running the model, sampling and checking stops, so the host
+  sees results once per K tokens. It leaves early when every row has finished, when the pool cannot
+  grow (the host then preempts), or, if asked, as soon as one finishes (to admit waiters);
+- `apply_pool_ops`: the host's cache marks and frees, before a step or when the engine goes idle.
+Each returns what changed (`ModelOutput` with its `PoolDelta`), never whole tables.
 """
 from __future__ import annotations
 
@@ -19,8 +22,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from paged_jax.core import block_pool as bp
+from paged_jax.core.model_output import ModelOutput, PoolDelta
 from paged_jax.worker import sampler
 from paged_jax.worker.attention import AttentionMetadata, KVCache, copy_blocks
+from paged_jax.worker.batching import DecodeBatch, PoolOps, PrefillBatch
 
 
 @jax.tree_util.register_dataclass
@@ -28,21 +33,8 @@ from paged_jax.worker.attention import AttentionMetadata, KVCache, copy_blocks
 class DeviceState:
     cache: KVCache
     pool: bp.BlockPool
-    output_counts: jax.Array  # i32[max_seqs, vocab] (penalties on) or i32[max_seqs, 0]
+    output_counts: jax.Array  # i32[max_seqs, vocab] (once a request uses penalties) or i32[max_seqs, 0]
     prompt_mask: jax.Array  # bool[max_seqs, vocab] or bool[max_seqs, 0]
-
-    @property
-    def penalties(self):
-        return None if self.output_counts.shape[1] == 0 else (self.output_counts, self.prompt_mask)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class HostOps:
-    """Pool operations the host scheduled since the last call, applied in this order first."""
-
-    mark_ids: jax.Array  # i32[max_seqs * max_blocks_per_seq]; blocks that now hold a cache entry, 0 pad
-    free_mask: jax.Array  # bool[max_seqs]; finished, aborted or preempted sequences
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,147 +44,164 @@ class Flags:
     backend: str
     filters: bool = False  # some row uses top-k / top-p / min-p
     num_logprobs: int = 0  # top-N logprobs returned per token
+    penalties: bool = False  # some row uses presence / frequency / repetition penalties
+    forks: bool = False  # some row forks from another this step
     mesh: Mesh | None = None  # tensor parallelism: attention runs per shard
 
 
-def _apply_host_ops(pool: bp.BlockPool, ops: HostOps) -> bp.BlockPool:
-    pool = bp.mark_cached(pool, ops.mark_ids, ops.mark_ids.shape[0])
-    return bp.free(pool, ops.free_mask)
+def _delta(pool: bp.BlockPool, view: bp.BlockPool, slots, start, width: int) -> PoolDelta:
+    """Entries [start, start + width) of each view row, with their versions."""
+    idx = jnp.clip(start[:, None] + jnp.arange(width), 0, view.max_blocks_per_seq - 1)
+    blocks = jnp.take_along_axis(view.block_tables, idx, axis=1)
+    return PoolDelta(slots=slots, seq_lens=view.seq_lens, start=start, blocks=blocks,
+                     versions=pool.version[blocks], num_free=pool.num_free_blocks)
 
 
-def _snapshot(pool: bp.BlockPool):
-    """What the host mirrors after each call: the tables, with each entry's version."""
-    return dict(block_tables=pool.block_tables, seq_lens=pool.seq_lens,
-                table_versions=pool.version[pool.block_tables], num_free=pool.num_free_blocks)
+def _penalty_rows(state: DeviceState, slots, flags: Flags):
+    if not flags.penalties:
+        return None
+    safe = jnp.maximum(slots, 0)
+    return state.output_counts[safe], state.prompt_mask[safe]
 
 
-def _count_tokens(counts, tokens, live):  # i32[S, V], i32[S], bool[S] -> i32[S, V]
+def _count_tokens(counts, tokens, live):  # i32[B, V], i32[B], bool[B] -> i32[B, V]
     rows = jnp.arange(tokens.shape[0])
     return counts.at[rows, jnp.where(live, tokens, counts.shape[1])].add(1, mode="drop")
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "flags"), donate_argnames=("state",))
-def prefill_step(graphdef, params, state: DeviceState, ops: HostOps, batch: dict, sp: sampler.SlotParams,
-                 *, flags: Flags):
-    """One ragged forward. `batch` (host-built, see Engine._prefill_batch):
-    tokens, positions, token_slot i32[T] (slot of each token, -1 padding); query_start_loc i32[S+1];
-    attn_seq_lens i32[S] (0 for slots not in this batch); new_lens i32[S] (pool growth targets);
-    hits i32[S, max_blocks], num_hits i32[S] (prefix hits of newly admitted slots);
-    logits_rows i32[S] (token whose logits slot s samples from, -1 none); fork_parent i32[S] (-1 none);
-    num_output, total_len i32[S] (counting the token sampled now)."""
-    pool = _apply_host_ops(state.pool, ops)
-    admitted = batch["num_hits"] > 0
-    pool, shared = bp.share(pool, jnp.where(admitted, jnp.arange(admitted.shape[0]), -1),
-                            batch["hits"], batch["num_hits"])
-    pool, grown = bp.allocate(pool, batch["new_lens"],
-                              max_new_blocks=batch["tokens"].shape[0] // pool.block_size + pool.max_seqs)
-    slots = bp.slot_mapping(pool, batch["token_slot"], batch["positions"])
-    md = AttentionMetadata(slot_mapping=slots, block_tables=pool.block_tables,
-                           seq_lens=batch["attn_seq_lens"], query_start_loc=batch["query_start_loc"])
-    model = nnx.merge(graphdef, params)
-    logits, cache = model(batch["tokens"], batch["positions"], state.cache, md,
-                          jnp.maximum(batch["logits_rows"], 0), backend=flags.backend, mesh=flags.mesh)
+def _put_counts(state: DeviceState, slots, counts) -> DeviceState:
+    target = jnp.where(slots >= 0, slots, state.output_counts.shape[0])
+    return dataclasses.replace(state, output_counts=state.output_counts.at[target].set(counts, mode="drop"))
 
+
+def _fork_rows(view: bp.BlockPool, fork_parent):
+    """Fork each row whose fork_parent (i32[B]) is a row -> (view, ok, copy_src i32[B], copy_dst i32[B])."""
     def fork_one(child, carry):
-        pool, src, dst, ok = carry
-        parent = batch["fork_parent"][child]
+        view, src, dst, ok = carry
+        parent = fork_parent[child]
 
-        def fork(pool):
-            pool, forked, s, d = bp.fork(pool, parent, child)
-            return pool, s, d, forked
+        def fork(view):
+            view, forked, s, d = bp.fork(view, parent, child)
+            return view, s, d, forked
 
-        def skip(pool):
-            return pool, jnp.int32(-1), jnp.int32(-1), jnp.array(True)
+        def skip(view):
+            return view, jnp.int32(-1), jnp.int32(-1), jnp.array(True)
 
-        pool, s, d, forked = jax.lax.cond(parent >= 0, fork, skip, pool)
-        return pool, src.at[child].set(s), dst.at[child].set(d), ok & forked
+        view, s, d, forked = jax.lax.cond(parent >= 0, fork, skip, view)
+        return view, src.at[child].set(s), dst.at[child].set(d), ok & forked
 
-    def fork_all(pool):
-        none = jnp.full((pool.max_seqs,), -1, jnp.int32)
-        return jax.lax.fori_loop(0, pool.max_seqs, fork_one, (pool, none, none, jnp.array(True)))
-
-    def no_forks(pool):  # the common step: no loop over the slots at all
-        none = jnp.full((pool.max_seqs,), -1, jnp.int32)
-        return pool, none, none, jnp.array(True)
-
-    pool, src, dst, forked = jax.lax.cond(jnp.any(batch["fork_parent"] >= 0), fork_all, no_forks, pool)
-    cache = copy_blocks(cache, src, dst, backend=flags.backend)
-
-    live = batch["logits_rows"] >= 0
-    tokens, logprob, rank, top_ids, top_lps = sampler.sample(
-        logits, sp, batch["num_output"] - 1, state.penalties,
-        filters=flags.filters, num_logprobs=flags.num_logprobs)
-    finish = jnp.where(live, sampler.stop_check(tokens, sp, batch["num_output"], batch["total_len"]), 0)
-    state = dataclasses.replace(state, cache=cache, pool=pool)
-    if state.penalties is not None:
-        state = dataclasses.replace(state, output_counts=_count_tokens(state.output_counts, tokens, live))
-    out = dict(tokens=jnp.where(live, tokens, -1), logprob=logprob, rank=rank, top_ids=top_ids, top_logprobs=top_lps,
-               finish=finish, ok=jnp.all(shared) & grown & forked, **_snapshot(pool))
-    return state, out
+    none = jnp.full(fork_parent.shape, -1, jnp.int32)
+    return jax.lax.fori_loop(0, fork_parent.shape[0], fork_one, (view, none, none, jnp.array(True)))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "flags", "num_steps"), donate_argnames=("state",))
-def decode_steps(graphdef, params, state: DeviceState, ops: HostOps, last_tokens, active, num_output,
-                 total_len, stop_on_finish, sp: sampler.SlotParams, *, flags: Flags, num_steps: int):
-    """Up to `num_steps` decode steps on the device.
-
-    last_tokens i32[S] (sampled, not yet in the cache); active bool[S]; num_output, total_len i32[S]
-    (output and total tokens so far); stop_on_finish bool[] (leave as soon as one sequence finishes).
-    -> (state, dict(tokens i32[S, K] (-1 where none), logprob f32[S, K], rank i32[S, K], top_ids i32[S, K, N],
-        top_logprobs f32[S, K, N], finish i32[S], pool_full bool[], steps i32[], snapshot))."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "flags"), donate_argnames=("state",))
+def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: sampler.SlotParams,
+                 *, flags: Flags):
+    """One ragged forward over the batch's rows -> (state, ModelOutput with k = 1, ok bool[])."""
+    num_rows, width = batch.hits.shape
+    view = bp.rows(state.pool, batch.slots, width)
+    admitted = batch.num_hits > 0
+    view, shared = bp.share(view, jnp.where(admitted, jnp.arange(num_rows), -1), batch.hits,
+                            batch.num_hits, batch.hit_versions)
+    view, grown = bp.allocate(view, batch.new_lens,
+                              max_new_blocks=batch.tokens.shape[0] // view.block_size + num_rows)
+    md = AttentionMetadata(slot_mapping=bp.slot_mapping(view, batch.token_row, batch.positions),
+                           block_tables=view.block_tables, seq_lens=batch.attn_seq_lens,
+                           query_start_loc=batch.query_start_loc)
     model = nnx.merge(graphdef, params)
-    num_slots = active.shape[0]
+    logits, cache = model(batch.tokens, batch.positions, state.cache, md, jnp.maximum(batch.logits_rows, 0),
+                          backend=flags.backend, mesh=flags.mesh)
+    forked = jnp.array(True)
+    if flags.forks:  # copy-on-write of the partial tail blocks: only in steps that fork
+        view, src, dst, forked = _fork_rows(view, batch.fork_parent)
+        cache = copy_blocks(cache, src, dst, backend=flags.backend)
+
+    live = batch.logits_rows >= 0
+    penalties = _penalty_rows(state, batch.slots, flags)
+    tokens, logprob, rank, top_ids, top_lps = sampler.sample(
+        logits, sp, batch.num_output - 1, penalties, filters=flags.filters, num_logprobs=flags.num_logprobs)
+    finish = jnp.where(live, sampler.stop_check(tokens, sp, batch.num_output, batch.total_len), 0)
+    pool = bp.put_rows(state.pool, view, batch.slots)
+    new = dataclasses.replace(state, cache=cache, pool=pool)
+    if penalties is not None:
+        new = _put_counts(new, batch.slots, _count_tokens(penalties[0], tokens, live))
+    out = ModelOutput(tokens=jnp.where(live, tokens, -1)[:, None], logprob=logprob[:, None], rank=rank[:, None],
+                      top_ids=top_ids[:, None], top_logprobs=top_lps[:, None], finish=finish,
+                      delta=_delta(pool, view, batch.slots, jnp.zeros(num_rows, jnp.int32), width),
+                      steps=jnp.int32(1), pool_full=jnp.array(False))
+    return new, out, jnp.all(shared) & grown & forked
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "flags", "num_steps", "width"), donate_argnames=("state",))
+def decode_steps(graphdef, params, state: DeviceState, batch: DecodeBatch, sp: sampler.SlotParams,
+                 *, flags: Flags, num_steps: int, width: int):
+    """Up to `num_steps` decode steps of the batch's rows, tables `width` blocks wide (enough for
+    num_steps more tokens) -> (state, ModelOutput with k = num_steps)."""
+    model = nnx.merge(graphdef, params)
+    num_rows = batch.slots.shape[0]
     n = flags.num_logprobs
-    out = dict(tokens=jnp.full((num_slots, num_steps), -1, jnp.int32),
-               logprob=jnp.zeros((num_slots, num_steps), jnp.float32),
-               rank=jnp.zeros((num_slots, num_steps), jnp.int32),
-               top_ids=jnp.zeros((num_slots, num_steps, n), jnp.int32),
-               top_logprobs=jnp.zeros((num_slots, num_steps, n), jnp.float32),
-               finish=jnp.zeros((num_slots,), jnp.int32))
-    state = dataclasses.replace(state, pool=_apply_host_ops(state.pool, ops))
-    carry = (state, out, last_tokens, active, num_output, total_len, jnp.array(False), jnp.array(0))
+    view = bp.rows(state.pool, batch.slots, width)
+    start = -(-view.seq_lens // view.block_size)  # blocks this call may add start here
+    out = dict(tokens=jnp.full((num_rows, num_steps), -1, jnp.int32),
+               logprob=jnp.zeros((num_rows, num_steps), jnp.float32),
+               rank=jnp.zeros((num_rows, num_steps), jnp.int32),
+               top_ids=jnp.zeros((num_rows, num_steps, n), jnp.int32),
+               top_logprobs=jnp.zeros((num_rows, num_steps, n), jnp.float32),
+               finish=jnp.zeros((num_rows,), jnp.int32))
+    penalties = _penalty_rows(state, batch.slots, flags)
+    counts = penalties[0] if penalties is not None else None
+    active = batch.slots >= 0
+    carry = (state.cache, view, counts, out, batch.last_tokens, active, batch.num_output, batch.total_len,
+             jnp.array(False), jnp.array(0))
 
     def cond(carry):
-        _, out, _, active, _, _, pool_full, step = carry
+        *_, out, _, active, _, _, pool_full, step = carry
         any_finished = jnp.any(out["finish"] > 0)
-        return (step < num_steps) & jnp.any(active) & ~pool_full & ~(stop_on_finish & any_finished)
+        return (step < num_steps) & jnp.any(active) & ~pool_full & ~(batch.stop_on_finish & any_finished)
 
     def body(carry):
-        state, out, last, active, num_output, total_len, _, step = carry
-        positions = state.pool.seq_lens
-        pool, ok = bp.allocate(state.pool, positions + active, max_new_blocks=num_slots)
+        cache, view, counts, out, last, active, num_output, total_len, _, step = carry
+        positions = view.seq_lens
+        # When the pool cannot grow, `allocate` returns it unchanged and this step writes and keeps
+        # nothing. No lax.cond around the model: a conditional would copy the KV pages every step.
+        view, ok = bp.allocate(view, positions + active, max_new_blocks=num_rows)
+        live = active & ok
+        md = AttentionMetadata(slot_mapping=bp.slot_mapping(view, jnp.where(live, jnp.arange(num_rows), -1), positions),
+                               block_tables=view.block_tables, seq_lens=jnp.where(live, positions + 1, 0),
+                               query_start_loc=jnp.arange(num_rows + 1, dtype=jnp.int32), decode_only=True)
+        logits, cache = model(last, positions, cache, md, jnp.arange(num_rows), backend=flags.backend, mesh=flags.mesh)
+        pens = None if counts is None else (counts, penalties[1])
+        tokens, logprob, rank, top_ids, top_lps = sampler.sample(
+            logits, sp, num_output, pens, filters=flags.filters, num_logprobs=n)
+        finish = jnp.where(live, sampler.stop_check(tokens, sp, num_output + 1, total_len + 1), 0)
+        at = jnp.where(ok, step, num_steps)  # out of range: dropped
+        o = dict(tokens=out["tokens"].at[:, at].set(jnp.where(live, tokens, -1), mode="drop"),
+                 logprob=out["logprob"].at[:, at].set(logprob, mode="drop"),
+                 rank=out["rank"].at[:, at].set(rank, mode="drop"),
+                 top_ids=out["top_ids"].at[:, at].set(top_ids, mode="drop"),
+                 top_logprobs=out["top_logprobs"].at[:, at].set(top_lps, mode="drop"),
+                 finish=jnp.where(finish > 0, finish, out["finish"]))
+        if counts is not None:
+            counts = _count_tokens(counts, tokens, live)
+        return (cache, view, counts, o, jnp.where(live, tokens, last), active & (finish == 0),
+                num_output + live, total_len + live, ~ok, step + ok)
 
-        def run(state):
-            seq_ids = jnp.where(active, jnp.arange(num_slots), -1)
-            md = AttentionMetadata(slot_mapping=bp.slot_mapping(pool, seq_ids, positions),
-                                   block_tables=pool.block_tables,
-                                   seq_lens=jnp.where(active, positions + 1, 0),
-                                   query_start_loc=jnp.arange(num_slots + 1, dtype=jnp.int32),
-                                   decode_only=True)
-            logits, cache = model(last, positions, state.cache, md, jnp.arange(num_slots),
-                                  backend=flags.backend, mesh=flags.mesh)
-            tokens, logprob, rank, top_ids, top_lps = sampler.sample(
-                logits, sp, num_output, state.penalties, filters=flags.filters, num_logprobs=n)
-            finish = jnp.where(active, sampler.stop_check(tokens, sp, num_output + 1, total_len + 1), 0)
-            new = dataclasses.replace(state, cache=cache, pool=pool)
-            if state.penalties is not None:
-                new = dataclasses.replace(new, output_counts=_count_tokens(state.output_counts, tokens, active))
-            o = dict(tokens=out["tokens"].at[:, step].set(jnp.where(active, tokens, -1)),
-                     logprob=out["logprob"].at[:, step].set(logprob),
-                     rank=out["rank"].at[:, step].set(rank),
-                     top_ids=out["top_ids"].at[:, step].set(top_ids),
-                     top_logprobs=out["top_logprobs"].at[:, step].set(top_lps),
-                     finish=jnp.where(finish > 0, finish, out["finish"]))
-            return (new, o, jnp.where(active, tokens, last), active & (finish == 0),
-                    num_output + active, total_len + active, jnp.array(False), step + 1)
+    cache, view, counts, out, *_, pool_full, steps = jax.lax.while_loop(cond, body, carry)
+    pool = bp.put_rows(state.pool, view, batch.slots)
+    new = dataclasses.replace(state, cache=cache, pool=pool)
+    if counts is not None:
+        new = _put_counts(new, batch.slots, counts)
+    reach = -(-num_steps // view.block_size) + 1  # blocks one row can gain in num_steps tokens
+    return new, ModelOutput(**out, delta=_delta(pool, view, batch.slots, start, reach), steps=steps,
+                            pool_full=pool_full)
 
-        def stop(state):  # the pool cannot grow: leave the loop with nothing changed
-            return state, out, last, active, num_output, total_len, jnp.array(True), step
 
-        return jax.lax.cond(ok, run, stop, state)
-
-    state, out, _, _, _, _, pool_full, steps = jax.lax.while_loop(cond, body, carry)
-    return state, dict(out, pool_full=pool_full, steps=steps, **_snapshot(state.pool))
+@functools.partial(jax.jit, static_argnames=("width",), donate_argnames=("state",))
+def apply_pool_ops(state: DeviceState, ops: PoolOps, *, width: int) -> DeviceState:
+    """Cache marks, then frees of the listed slots (tables `width` wide cover them)."""
+    pool = bp.mark_cached(state.pool, ops.mark_ids, ops.mark_ids.shape[0])
+    view = bp.free(bp.rows(pool, ops.free_slots, width), ops.free_slots >= 0)
+    return dataclasses.replace(state, pool=bp.put_rows(pool, view, ops.free_slots))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -209,12 +218,5 @@ def reset_penalty_rows(state: DeviceState, slots, prompt_tokens, output_tokens):
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def apply_host_ops(state: DeviceState, ops: HostOps):
-    """Apply pending frees and cache marks when no step follows (the engine went idle)."""
-    pool = _apply_host_ops(state.pool, ops)
-    return dataclasses.replace(state, pool=pool), _snapshot(pool)
-
-
-@jax.jit
-def block_versions(pool: bp.BlockPool, block_ids):  # i32[n] -> i32[n]
-    return pool.version[block_ids]
+def uncache_all(state: DeviceState) -> DeviceState:
+    return dataclasses.replace(state, pool=bp.uncache_all(state.pool))

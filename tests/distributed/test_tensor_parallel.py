@@ -71,7 +71,7 @@ def test_logits_and_greedy_tokens_match_one_device(tp):
 def test_params_and_pages_are_sharded_megatron_style():
     llm = LLM(random_model(tiny_config()), block_size=8, num_blocks=32, max_num_seqs=4, log_stats=False,
               tensor_parallel_size=2)
-    params, state = llm.engine.params, llm.engine.state
+    params, state = llm.engine.model_runner.params, llm.engine.state
     layers = params["layers"]
     assert spec_of(layers["wq"][...]) == P(None, None, "model", None)  # [L, hidden, heads, head_dim]
     assert spec_of(layers["wk"][...]) == P(None, None, "model", None)

@@ -18,7 +18,7 @@ SHARED = list(range(3, 27))  # a 24-token common prefix: three full blocks of 8
 @pytest.fixture(scope="module")
 def hf_llama(tmp_path_factory):
     """A random HF LlamaForCausalLM saved to disk, its prompts and its greedy continuations."""
-    config = tiny_config()
+    config = tiny_config(max_position_embeddings=1024)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config.to_hf_config())).eval()
     with torch.no_grad():
@@ -46,6 +46,7 @@ def assert_pool_drained(llm):
     engine = llm.engine
     pool = engine.state.pool
     bp.check_invariants(pool)
+    engine.scheduler.pool.check_against(pool)
     assert int(bp.num_free(pool)) == engine.config.num_blocks - 1
     assert np.asarray(pool.ref_cnt).tolist() == [0] * engine.config.num_blocks
     assert llm.stats()["kv_cache_usage"] == 0.0
@@ -88,4 +89,57 @@ def test_prefix_caching_hits_and_matches_hugging_face(hf_llama):
     again = llm.generate([prompts[4] + expected[4][:16]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert again[0].num_cached_tokens == 40
     assert again[0].outputs[0].token_ids == expected[4][16:20]
+    assert_pool_drained(llm)
+
+
+def run_with_arrivals(engine, arrivals, params):
+    """arrivals: {step: [(request_id, prompt)]}; step the engine until all have finished ->
+    {request_id: token ids}, and the number of requests running at each step."""
+    done, running, step = {}, [], 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for request_id, prompt in arrivals.get(step, []):
+            engine.add_request(request_id, prompt, params)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        running.append(len(engine.scheduler.running))
+        step += 1
+    return done, running
+
+
+def test_a_one_token_prefill_chunk_is_not_run_as_a_decode(hf_llama):
+    """The second request arrives while the first decodes; a budget of 2 tokens gives each one
+    token a step, so the second's prompt goes in one token at a time beside the first's decode:
+    a prefill, not a decode (the decode loop would feed the last prompt token at the wrong position)."""
+    path, prompts, expected = hf_llama
+    llm = LLM(str(path), block_size=8, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=2,
+              enable_prefix_caching=False, log_stats=False)
+    steps = []  # (is_decode, pending tokens of each scheduled sequence) at planning time
+    schedule = llm.engine.scheduler.schedule
+
+    def spy():
+        plan = schedule()
+        steps.append((plan.is_decode, [seq.num_tokens - seq.num_computed for seq, _ in plan.scheduled]))
+        return plan
+
+    llm.engine.scheduler.schedule = spy
+    done, _ = run_with_arrivals(llm.engine, {0: [("a", prompts[0])], 5: [("b", prompts[1])]}, GREEDY)
+    assert [done["a"], done["b"]] == expected[:2]
+    mixed = [decode for decode, pending in steps if len(pending) == 2 and pending[1] > 1]
+    assert len(mixed) >= 10 and not any(mixed)  # b's prompt, a token a step beside a's decode
+    assert_pool_drained(llm)
+
+
+def test_greedy_at_a_capacity_far_above_the_load(hf_llama):
+    """max_num_seqs 64 and max_model_len 1024 (16x the longest request) for at most 4 running at once,
+    requests arriving and finishing every few steps, and a pool small enough to preempt."""
+    path, prompts, expected = hf_llama
+    llm = LLM(str(path), block_size=8, num_blocks=18, max_num_seqs=64, max_model_len=1024,
+              max_num_batched_tokens=64, num_decode_steps=4, log_stats=False)
+    arrivals = {0: [("0", prompts[0]), ("1", prompts[1])], 3: [("2", prompts[2])], 4: [("4", prompts[4])],
+                9: [("3", prompts[3]), ("5", prompts[5])], 14: [("6", prompts[6])]}
+    done, running = run_with_arrivals(llm.engine, arrivals, GREEDY)
+    assert [done[str(i)] for i in range(7)] == expected
+    assert llm.stats()["num_preemptions"] > 0
+    assert len(set(running)) >= 3  # concurrency rose and fell
     assert_pool_drained(llm)

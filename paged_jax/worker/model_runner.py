@@ -1,0 +1,164 @@
+"""The host half of the worker (vLLM's GPUModelRunner): owns the device state, turns a scheduler
+`Plan` into one jitted call's inputs and returns what came back, fetched to the host."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.core import block_pool
+from paged_jax.core.model_output import ModelOutput
+from paged_jax.core.scheduler import Plan
+from paged_jax.worker import batching, runner, sharding
+from paged_jax.worker.attention import cache_layout
+
+
+class ModelRunner:
+    def __init__(self, model, config, *, mesh=None, eos_token_ids=()):
+        from flax import nnx
+
+        c = self.config = config
+        self.mesh = mesh
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.vocab_size = model.config.vocab_size
+        self.graphdef, self.params = nnx.split(model)
+        layout = cache_layout(c.attention_backend)
+        if mesh is None:
+            cache = model.init_cache(c.num_blocks, c.block_size, layout=layout)
+        else:  # made in place on the mesh: one device could not hold the whole cache
+            shape = jax.eval_shape(lambda: model.init_cache(c.num_blocks, c.block_size, layout=layout))
+            cache = jax.jit(lambda: model.init_cache(c.num_blocks, c.block_size, layout=layout),
+                            out_shardings=sharding.named(sharding.cache_specs(shape), mesh))()
+        pool = block_pool.init(c.num_blocks, c.block_size, c.max_num_seqs, c.max_blocks_per_seq)
+        empty = np.zeros((c.max_num_seqs, 0))
+        self.state = runner.DeviceState(cache=cache, pool=self._replicate(pool),
+                                        output_counts=self._replicate(empty.astype(np.int32)),
+                                        prompt_mask=self._replicate(empty.astype(bool)))
+        # From the jitted call to its fetched output (the device's share of a step, once compiled),
+        # and the bytes that crossed between host and device each way.
+        self.counters = dict(device_seconds=0.0, bytes_to_device=0, bytes_from_device=0,
+                             decode_bytes_to_device=0, decode_bytes_from_device=0)
+
+    def _replicate(self, x):
+        """The pool and sampling state: one copy on every device of the mesh."""
+        return x if self.mesh is None else sharding.replicate(x, self.mesh)
+
+    # -- one call ------------------------------------------------------------------------------
+
+    def execute(self, plan: Plan) -> ModelOutput:
+        self.apply_pool_ops(plan)
+        c = self.config
+        if plan.is_decode:
+            seqs = [seq for seq, _ in plan.scheduled]
+            batch, width = batching.decode_batch(plan, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
+                                                 max_blocks_per_seq=c.max_blocks_per_seq,
+                                                 num_steps=c.num_decode_steps)
+            sp = self._row_params(seqs, batch.slots.shape[0])
+            start = time.perf_counter()
+            self.state, out = runner.decode_steps(self.graphdef, self.params, self.state, batch, sp,
+                                                  flags=self._flags(seqs), num_steps=c.num_decode_steps, width=width)
+            return self._fetch("decode_", out, start, batch, sp)
+        seqs = batching.prefill_rows(plan)
+        self._reset_penalty_rows([s for s, _ in plan.scheduled if s.slot in plan.admitted]
+                                 + [child for child, _ in plan.forks])
+        batch = batching.prefill_batch(plan, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
+                                       max_blocks_per_seq=c.max_blocks_per_seq, token_cap=c.max_num_batched_tokens)
+        sp = self._row_params(seqs, batch.slots.shape[0])
+        start = time.perf_counter()
+        self.state, out, ok = runner.prefill_step(self.graphdef, self.params, self.state, batch, sp,
+                                                  flags=dataclasses.replace(self._flags(seqs), forks=bool(plan.forks)))
+        out = self._fetch("", (out, ok), start, batch, sp)
+        if not out[1]:
+            raise RuntimeError("internal error: the device pool refused an operation the scheduler planned")
+        return out[0]
+
+    def _fetch(self, kind, out, start, *inputs):
+        out = jax.device_get(out)
+        k = self.counters
+        k["device_seconds"] += time.perf_counter() - start
+        sent = sum(np.asarray(x).nbytes for x in jax.tree.leaves(inputs))
+        got = sum(np.asarray(x).nbytes for x in jax.tree.leaves(out))
+        for prefix in {"", kind}:
+            k[prefix + "bytes_to_device"] += sent
+            k[prefix + "bytes_from_device"] += got
+        return out
+
+    def apply_pool_ops(self, plan: Plan) -> None:
+        """The plan's cache marks and frees (before its step, or alone when the engine goes idle)."""
+        if plan.marks or plan.free_slots:
+            width = batching.bucket(max(plan.free_blocks, 1), self.config.max_blocks_per_seq,
+                                    batching.MIN_WIDTH_BUCKET)
+            ops = batching.pool_ops(plan, self.config.num_blocks)
+            self.counters["bytes_to_device"] += ops.mark_ids.nbytes + ops.free_slots.nbytes
+            self.state = runner.apply_pool_ops(self.state, ops, width=width)
+
+    def reset_prefix_cache(self) -> None:
+        self.state = runner.uncache_all(self.state)
+
+    # -- inputs --------------------------------------------------------------------------------
+
+    def _row_params(self, seqs, num_rows):
+        return batching.row_params(seqs, num_rows, self.eos_token_ids, self.config.max_model_len)
+
+    def _flags(self, seqs) -> runner.Flags:
+        params = [s.request.params for s in seqs]
+        logprobs = max([p.logprobs or 0 for p in params] + [0])
+        return runner.Flags(backend=self.config.attention_backend, mesh=self.mesh,
+                            filters=any(p.uses_filters for p in params),
+                            penalties=any(p.uses_penalties for p in params),
+                            num_logprobs=0 if logprobs == 0 else 1 << (logprobs - 1).bit_length())
+
+    def _reset_penalty_rows(self, seqs):
+        """Newly admitted or forked rows that use penalties start from their own tokens; the
+        [max_num_seqs, vocab] arrays exist once the first such request runs, and only steps whose
+        batch holds one read them."""
+        seqs = [s for s in seqs if s.request.params.uses_penalties]
+        if not seqs:
+            return
+        if self.state.output_counts.shape[1] == 0:
+            shape = (self.config.max_num_seqs, self.vocab_size)
+            self.state = dataclasses.replace(self.state, output_counts=self._replicate(jnp.zeros(shape, jnp.int32)),
+                                             prompt_mask=self._replicate(jnp.zeros(shape, bool)))
+        width = batching.token_bucket(max(len(s.token_ids) for s in seqs), 1 << 30)
+        rows = batching.bucket(len(seqs), self.config.max_num_seqs)
+        slots = np.full(rows, -1, np.int32)
+        prompt = np.full((rows, width), -1, np.int32)
+        output = np.full((rows, width), -1, np.int32)
+        for i, seq in enumerate(seqs):
+            slots[i] = seq.slot
+            prompt[i, : seq.num_prompt_tokens] = seq.token_ids[: seq.num_prompt_tokens]
+            output[i, : seq.num_output] = seq.output_ids
+        self.state = runner.reset_penalty_rows(self.state, slots, prompt, output)
+
+
+def activation_bytes(model, num_tokens: int, max_num_seqs: int, max_model_len: int, *, backend: str,
+                     block_size: int) -> int:
+    """The activation peak of the largest prefill step (`num_tokens` tokens over `max_num_seqs` rows,
+    tables as wide as `max_model_len`): XLA's temp buffers for the compiled program, read from its
+    memory analysis (vLLM measures a profile run; the compiler's buffer assignment is the same
+    figure without running it). The KV pages are donated and aliased, so their size does not enter."""
+    from flax import nnx
+
+    graphdef, params = nnx.split(model)
+    num_rows = batching.bucket(min(max_num_seqs, num_tokens), max_num_seqs)
+    width = -(-max_model_len // block_size)
+    cache = jax.eval_shape(lambda: model.init_cache(2, block_size, layout=cache_layout(backend)))
+    pool = jax.eval_shape(lambda: block_pool.init(2, block_size, num_rows, width))
+    empty = jax.ShapeDtypeStruct((num_rows, 0), jnp.int32)
+    state = runner.DeviceState(cache=cache, pool=pool, output_counts=empty,
+                               prompt_mask=jax.ShapeDtypeStruct((num_rows, 0), bool))
+
+    def i32(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+    batch = batching.PrefillBatch(
+        slots=i32(num_rows), tokens=i32(num_tokens), positions=i32(num_tokens), token_row=i32(num_tokens),
+        query_start_loc=i32(num_rows + 1), attn_seq_lens=i32(num_rows), new_lens=i32(num_rows),
+        hits=i32(num_rows, width), hit_versions=i32(num_rows, width), num_hits=i32(num_rows),
+        logits_rows=i32(num_rows), fork_parent=i32(num_rows), num_output=i32(num_rows), total_len=i32(num_rows))
+    sp = batching.row_params([], num_rows, (), max_model_len)
+    compiled = runner.prefill_step.lower(graphdef, params, state, batch, sp, flags=runner.Flags(backend)).compile()
+    return int(compiled.memory_analysis().temp_size_in_bytes)
