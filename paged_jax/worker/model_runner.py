@@ -12,6 +12,7 @@ import numpy as np
 from paged_jax.core import block_pool
 from paged_jax.core.model_output import ModelOutput
 from paged_jax.core.scheduler import Plan
+from paged_jax.engine.sampling_params import SAMPLING_EPS
 from paged_jax.worker import batching, runner, sharding
 from paged_jax.worker.attention import cache_layout
 
@@ -107,6 +108,7 @@ class ModelRunner:
         params = [s.request.params for s in seqs]
         logprobs = max([p.logprobs or 0 for p in params] + [0])
         return runner.Flags(backend=self.config.attention_backend, mesh=self.mesh,
+                            random=any(p.temperature >= SAMPLING_EPS for p in params),
                             filters=any(p.uses_filters for p in params),
                             penalties=any(p.uses_penalties for p in params),
                             num_logprobs=0 if logprobs == 0 else 1 << (logprobs - 1).bit_length())

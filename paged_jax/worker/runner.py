@@ -42,6 +42,7 @@ class Flags:
     """Static choices that select a compiled variant (hashable)."""
 
     backend: str
+    random: bool = True  # some row samples with a temperature (else every row takes the argmax)
     filters: bool = False  # some row uses top-k / top-p / min-p
     num_logprobs: int = 0  # top-N logprobs returned per token
     penalties: bool = False  # some row uses presence / frequency / repetition penalties
@@ -119,7 +120,8 @@ def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: 
     live = batch.logits_rows >= 0
     penalties = _penalty_rows(state, batch.slots, flags)
     tokens, logprob, rank, top_ids, top_lps = sampler.sample(
-        logits, sp, batch.num_output - 1, penalties, filters=flags.filters, num_logprobs=flags.num_logprobs)
+        logits, sp, batch.num_output - 1, penalties, filters=flags.filters, num_logprobs=flags.num_logprobs,
+        random=flags.random)
     finish = jnp.where(live, sampler.stop_check(tokens, sp, batch.num_output, batch.total_len), 0)
     pool = bp.put_rows(state.pool, view, batch.slots)
     new = dataclasses.replace(state, cache=cache, pool=pool)
@@ -172,7 +174,7 @@ def decode_steps(graphdef, params, state: DeviceState, batch: DecodeBatch, sp: s
         logits, cache = model(last, positions, cache, md, jnp.arange(num_rows), backend=flags.backend, mesh=flags.mesh)
         pens = None if counts is None else (counts, penalties[1])
         tokens, logprob, rank, top_ids, top_lps = sampler.sample(
-            logits, sp, num_output, pens, filters=flags.filters, num_logprobs=n)
+            logits, sp, num_output, pens, filters=flags.filters, num_logprobs=n, random=flags.random)
         finish = jnp.where(live, sampler.stop_check(tokens, sp, num_output + 1, total_len + 1), 0)
         at = jnp.where(ok, step, num_steps)  # out of range: dropped
         o = dict(tokens=out["tokens"].at[:, at].set(jnp.where(live, tokens, -1), mode="drop"),

@@ -89,15 +89,18 @@ def _filter(logits, sp: SlotParams):
     return jnp.where((sp.min_p[:, None] > 0) & (logits < threshold), NEG_INF, logits)
 
 
-def sample(logits, sp: SlotParams, num_output, penalties=None, *, filters: bool, num_logprobs: int):
+def sample(logits, sp: SlotParams, num_output, penalties=None, *, filters: bool, num_logprobs: int,
+           random: bool = True):
     """-> (tokens i32[S], logprob f32[S], rank i32[S], top_ids i32[S, N], top_logprobs f32[S, N]).
 
     logits: f32[S, V], the model's; num_output: i32[S], output tokens the sequence has before this
     one; penalties: (output_counts i32[S, V], prompt_mask bool[S, V]) or None when no row uses them.
-    Logprobs are of the model's own distribution (vLLM V1's default "raw" logprobs).
+    Logprobs are of the model's own distribution (vLLM V1's default "raw" logprobs). `random`
+    (static): some row samples with a temperature; False when every row is greedy.
     """
-    raw_logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     logits = logits.astype(jnp.float32)
+    raw = logits  # logprob(t) = raw[t] - logsumexp(raw): one pass, no S x V log-softmax written out
+    lse = jax.nn.logsumexp(raw, axis=-1)
     if penalties is not None:
         logits = apply_penalties(logits, sp, *penalties)
     # min_tokens: stop tokens cannot be sampled before the minimum is reached.
@@ -106,18 +109,21 @@ def sample(logits, sp: SlotParams, num_output, penalties=None, *, filters: bool,
     logits = logits.at[jnp.arange(logits.shape[0])[:, None], jnp.where(blocked, sp.stop_ids, vocab)].set(
         NEG_INF, mode="drop")
 
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / jnp.maximum(sp.temperature, SAMPLING_EPS)[:, None]
-    if filters:
-        scaled = _filter(scaled, sp)
-    keys = jax.vmap(jax.random.fold_in)(sp.key, num_output)
-    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-    tokens = jnp.where(sp.temperature < SAMPLING_EPS, greedy, drawn)
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if random:  # a batch of greedy rows draws no noise: S x V random bits cost more than the argmax
+        scaled = logits / jnp.maximum(sp.temperature, SAMPLING_EPS)[:, None]
+        if filters:
+            scaled = _filter(scaled, sp)
+        keys = jax.vmap(jax.random.fold_in)(sp.key, num_output)
+        drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+        tokens = jnp.where(sp.temperature < SAMPLING_EPS, tokens, drawn)
 
-    logprob = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    rank = 1 + jnp.sum(raw_logprobs > logprob[:, None], axis=-1, dtype=jnp.int32)
+    chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+    logprob = chosen - lse
+    rank = 1 + jnp.sum(raw > chosen[:, None], axis=-1, dtype=jnp.int32)
     if num_logprobs:
-        top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
+        top_raw, top_ids = jax.lax.top_k(raw, num_logprobs)
+        top_logprobs = top_raw - lse[:, None]
     else:
         top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
