@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 
 import numpy as np
 
@@ -51,7 +52,7 @@ class Scheduler:
         self.prefix_cache = prefix_cache or PrefixCache(enabled=False)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
-        self.free_slot_ids = list(range(max_num_seqs))
+        self.free_slot_ids = list(range(max_num_seqs))  # a heap: the lowest free slot first
         self.pending_free: list[int] = []  # slots of finished sequences, freed on the next call
         self.pending_free_blocks = 0
         self.pending_marks: list[int] = []  # blocks newly entered in the prefix cache
@@ -89,8 +90,7 @@ class Scheduler:
             self.pending_free_blocks = max(self.pending_free_blocks, self.pool.num_blocks_of(seq.slot))
             self.pool.release(seq.slot)
             self.pending_free.append(seq.slot)
-            self.free_slot_ids.append(seq.slot)
-            self.free_slot_ids.sort()
+            heapq.heappush(self.free_slot_ids, seq.slot)
             seq.slot = -1
 
     @property
@@ -157,9 +157,9 @@ class Scheduler:
                 hit_refs[b] = hit_refs.get(b, 0) + 1
             free -= need
             budget -= n
-            seq.slot = self.free_slot_ids.pop(0)
+            seq.slot = heapq.heappop(self.free_slot_ids)
             for child in seq.children:
-                child.slot = self.free_slot_ids.pop(0)
+                child.slot = heapq.heappop(self.free_slot_ids)
             seq.status, seq.num_computed, seq.prefill_end = Status.RUNNING, cached, seq.num_tokens
             self.prefix_cache.record(seq.num_tokens, cached)
             if seq.request.num_cached_tokens is None:
