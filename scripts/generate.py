@@ -19,7 +19,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 from jax import monitoring  # noqa: E402
 
-from paged_jax import LLM, SamplingParams  # noqa: E402
+from paged_jax import LLM, SamplingParams, compilation_cache  # noqa: E402
 from paged_jax.entrypoints.llm import load_model  # noqa: E402
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "embedded"
@@ -119,8 +119,13 @@ def main(argv=None):
                         help=f"default: {'sized by the engine' if default is None else default}")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: the checkpoint's")
     ap.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    ap.add_argument("--compilation-cache-dir", metavar="DIR",
+                    help=f"jax's persistent compilation cache (default: {compilation_cache.default_cache_dir()})")
+    ap.add_argument("--no-compilation-cache", action="store_true", help="compile everything afresh, cache nothing")
     args = ap.parse_args(argv)
     try:
+        if not args.no_compilation_cache:  # before anything compiles: jax opens the cache once
+            compilation_cache.enable(args.compilation_cache_dir)
         prompts = read_prompts(args)
         params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_tokens=args.max_tokens)

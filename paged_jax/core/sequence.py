@@ -40,8 +40,12 @@ class Sequence:
     token_logprobs: list[float] = dataclasses.field(default_factory=list)  # of each output token
     logprobs: list[dict] | None = None  # top-N entries per output token, when asked for
     stop_reason: int | str | None = None
-    num_stop_checked: int = 0  # output tokens already scanned for stop strings
-    text_end: int | None = None  # where a stop string cuts the output text
+    # Incremental detokenization (engine/detokenizer.py); offsets count output tokens.
+    output_text: str = ""  # the text of output tokens [0, read_offset), cut at a stop string
+    prefix_offset: int = 0  # [prefix_offset, read_offset): the context the next token is decoded in
+    read_offset: int = 0
+    num_decoded: int = 0  # output tokens looked at; those past read_offset wait for a whole character
+    stop_at: int | None = None  # output tokens kept once a stop string ended the sequence
 
     @property
     def num_tokens(self) -> int:

@@ -1,9 +1,10 @@
 """Host-side output processing (vLLM's OutputProcessor and detokenizer): sampled tokens into
-sequences, stop strings, logprobs, and the `RequestOutput`s users read."""
+sequences, incremental detokenization, stop strings, logprobs, and the `RequestOutput`s users read."""
 from __future__ import annotations
 
-from paged_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from paged_jax.core.sequence import Request, Sequence, Status
+from paged_jax.engine.detokenizer import decode_next, find_stop
+from paged_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 class OutputProcessor:
@@ -14,53 +15,83 @@ class OutputProcessor:
         """The scheduler appended `n` new tokens to `seq` from row `row` of a `ModelOutput`: build their
         logprob entries and check stop strings -> True when a stop string ended the sequence (its
         status is then FINISHED_STOPPED; the engine frees it if the device had not stopped it)."""
-        wanted = seq.request.params.logprobs
-        if wanted is not None:
-            for j, token in enumerate(seq.output_ids[seq.num_output - n:]):
-                entry = {token: Logprob(float(output.logprob[row, j]), int(output.rank[row, j]), self._piece(token))}
-                for r, (tid, lp) in enumerate(zip(output.top_ids[row, j][:wanted], output.top_logprobs[row, j][:wanted])):
-                    entry.setdefault(int(tid), Logprob(float(lp), r + 1, self._piece(int(tid))))
-                seq.logprobs = (seq.logprobs or []) + [entry]
+        if seq.request.params.logprobs is not None:
+            for j, token in enumerate(seq.token_ids[seq.num_tokens - n:]):
+                self._add_logprobs(seq, token, output.logprob[row, j], output.rank[row, j],
+                                   output.top_ids[row, j], output.top_logprobs[row, j])
         if not seq.request.params.stop or self.check_stop_strings(seq) is None:
             return False
         if seq.finished:  # the device stopped it on length in the same step: the stop string wins
             seq.status = Status.FINISHED_STOPPED
         return True
 
+    def _add_logprobs(self, seq, token, logprob, rank, top_ids, top_logprobs):
+        wanted = seq.request.params.logprobs
+        entry = {token: Logprob(float(logprob), int(rank), self._piece(token))}
+        for r, (tid, lp) in enumerate(zip(top_ids[:wanted], top_logprobs[:wanted])):
+            entry.setdefault(int(tid), Logprob(float(lp), r + 1, self._piece(int(tid))))
+        if seq.logprobs is None:
+            seq.logprobs = []
+        seq.logprobs.append(entry)  # in place: a copy per token would cost O(L^2) over an output
+
     def _piece(self, token):
         return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else None
 
+    def _detokenize(self, seq: Sequence) -> None:
+        """Bring `seq.output_text` up to its newest output token, one token at a time so that a stop
+        string is found at the token that completed it (vLLM's detokenizer stop: stop strings
+        complete only after min_tokens output tokens; the first in the list wins)."""
+        if self.tokenizer is None or seq.stop_at is not None:
+            return
+        params, base, text = seq.request.params, seq.num_prompt_tokens, seq.output_text
+        for k in range(max(seq.num_decoded, seq.read_offset) + 1, seq.num_output + 1):
+            seq.num_decoded = k
+            new = decode_next(self.tokenizer, seq.token_ids[base + seq.prefix_offset: base + k],
+                              seq.read_offset - seq.prefix_offset, skip_special_tokens=params.skip_special_tokens)
+            if new is None:
+                continue
+            text += new  # a local: CPython appends in place where it would copy an attribute's string
+            seq.prefix_offset, seq.read_offset = seq.read_offset, k
+            hit = find_stop(text, len(new), params.stop) if params.stop and k > params.min_tokens else None
+            if hit is not None:
+                stop, at = hit
+                seq.stop_reason, seq.stop_at = stop, k
+                text = text[: at + (len(stop) if params.include_stop_str_in_output else 0)]
+                break
+        seq.output_text = text
+
     def check_stop_strings(self, seq: Sequence) -> Status | None:
-        """vLLM's detokenizer stop: scan the new output tokens one by one; on a match, drop the
-        tokens after the one that completed the stop string and cut the text before it."""
-        params = seq.request.params
-        skip = params.skip_special_tokens
-        seen = len(self.tokenizer.decode(seq.output_ids[: seq.num_stop_checked], skip_special_tokens=skip))
-        for k in range(seq.num_stop_checked + 1, seq.num_output + 1):
-            text = self.tokenizer.decode(seq.output_ids[:k], skip_special_tokens=skip)
-            for stop in params.stop:
-                at = text.find(stop, max(0, seen - len(stop) + 1))  # only matches this token completes
-                if at >= 0:
-                    del seq.token_ids[seq.num_prompt_tokens + k:]
-                    del seq.token_logprobs[k:]
-                    if seq.logprobs:
-                        del seq.logprobs[k:]
-                    seq.stop_reason = stop
-                    seq.text_end = at + (len(stop) if params.include_stop_str_in_output else 0)
-                    return Status.FINISHED_STOPPED
-            seen = len(text)
-        seq.num_stop_checked = seq.num_output
-        return None
+        """Detokenize the new output tokens; when one of them completed a stop string, drop the tokens
+        after it (the text is already cut before the stop string, or after it with
+        include_stop_str_in_output)."""
+        self._detokenize(seq)
+        if seq.stop_at is None:
+            return None
+        del seq.token_ids[seq.num_prompt_tokens + seq.stop_at:]
+        del seq.token_logprobs[seq.stop_at:]
+        if seq.logprobs:
+            del seq.logprobs[seq.stop_at:]
+        return Status.FINISHED_STOPPED
+
+    def _finish_text(self, seq: Sequence) -> None:
+        """A finished sequence's last tokens that never made a whole character: decoded as they are
+        (U+FFFD, as a full decode shows them); never searched for stop strings, as in vLLM."""
+        if self.tokenizer is None or seq.stop_at is not None or seq.read_offset == seq.num_output:
+            return
+        base = seq.num_prompt_tokens
+        seq.output_text += decode_next(self.tokenizer, seq.token_ids[base + seq.prefix_offset:],
+                                       seq.read_offset - seq.prefix_offset, final=True,
+                                       skip_special_tokens=seq.request.params.skip_special_tokens)
+        seq.prefix_offset, seq.read_offset = seq.read_offset, seq.num_output
 
     def make_output(self, request: Request) -> RequestOutput:
         completions = []
         for seq in request.seqs:
-            text = ""
-            if self.tokenizer is not None:
-                text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=request.params.skip_special_tokens)
-                text = text[: seq.text_end]
+            self._detokenize(seq)
+            if seq.finished:
+                self._finish_text(seq)
             completions.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=list(seq.output_ids),
+                index=seq.index, text=seq.output_text, token_ids=list(seq.output_ids),
                 cumulative_logprob=sum(seq.token_logprobs) if request.params.logprobs is not None else None,
                 logprobs=seq.logprobs, finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason))
         metrics = dict(arrival_time=request.arrival_time, first_token_time=request.first_token_time,

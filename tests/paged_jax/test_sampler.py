@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.worker import sampler
 from paged_jax.engine.sampling_params import SamplingParams
+from paged_jax.worker import sampler
 
 VOCAB = 12
 
@@ -48,20 +48,29 @@ def test_filters_keep_exactly_vllms_token_set(top_k, top_p, min_p):
 
 
 def test_penalties_follow_vllm():
+    """Outputs that repeat tokens, counted with np.add.at (a fancy-index `+= 1` counts a repeated
+    index once); the expected logits by loops over the tokens themselves, so a sampler that took
+    presence for frequency (or the reverse) misses by the repeats."""
     logits = logits_rows(2)
+    outputs, prompts = [[4, 1, 4, 4, 9, 1], [2, 2, 5, 2]], [[1, 7], [5, 3, 3]]
     counts = np.zeros((2, VOCAB), np.int32)
-    counts[0, [1, 4, 4, 4]] = [1, 3, 0, 0]
-    counts[1, 2] = 2
     prompt = np.zeros((2, VOCAB), bool)
-    prompt[0, [1, 7]] = True
-    sp = params_for(SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25),
-                    SamplingParams(frequency_penalty=-0.5))
+    for r in range(2):
+        np.add.at(counts[r], outputs[r], 1)
+        prompt[r, prompts[r]] = True
+    assert counts[0, [1, 4, 9]].tolist() == [2, 3, 1] and counts[1, [2, 5]].tolist() == [3, 1]
+    penalties = [(1.3, 0.5, 0.25), (0.8, -0.5, 0.7)]
+    sp = params_for(*[SamplingParams(repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres)
+                      for rep, freq, pres in penalties])
     got = np.asarray(sampler.apply_penalties(logits, sp, jnp.asarray(counts), jnp.asarray(prompt)))
     want = np.asarray(logits, np.float64).copy()
-    for r, (rep, freq, pres) in enumerate([(1.3, 0.5, 0.25), (1.0, -0.5, 0.0)]):
-        seen = prompt[r] | (counts[r] > 0)
-        want[r, seen] = np.where(want[r, seen] > 0, want[r, seen] / rep, want[r, seen] * rep)
-        want[r] -= freq * counts[r] + pres * (counts[r] > 0)
+    for r, (rep, freq, pres) in enumerate(penalties):
+        for t in set(prompts[r]) | set(outputs[r]):  # repetition: once per distinct token seen anywhere
+            want[r, t] = want[r, t] / rep if want[r, t] > 0 else want[r, t] * rep
+        for t in outputs[r]:  # frequency: once per occurrence in the output
+            want[r, t] -= freq
+        for t in set(outputs[r]):  # presence: once per distinct output token
+            want[r, t] -= pres
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 

@@ -1,11 +1,13 @@
 """scripts/generate.py end to end on the embedded model: as a user runs it (a subprocess, from
-another directory), streaming against batch output, and the one-line error for a bad --model."""
+another directory), a second start loading its programs from the compilation cache, streaming
+against batch output, and the one-line error for a bad --model."""
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 from scripts import generate
@@ -16,29 +18,58 @@ STATS = re.compile(r"^requests (\d+), generated tokens (\d+), [\d.]+ tok/s \([\d
                    re.MULTILINE)
 
 
-def run_script(*args, cwd):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+def run_script(*args, cwd, cache_dir=None, **env):
+    """The compilation cache goes to `cache_dir` (default: one in `cwd`), never the user's own."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PAGED_JAX_CACHE_DIR": str(cache_dir or cwd / "jax-cache"), **env}
     return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300, check=False)
 
 
+# jax logs each persistent-cache lookup: a miss with JAX_EXPLAIN_CACHE_MISSES, a hit with JAX_LOG_COMPILES.
+CACHE_LOG = {"JAX_EXPLAIN_CACHE_MISSES": "1", "JAX_LOG_COMPILES": "1"}
+
+
+def cache_files(path):
+    return {p.relative_to(path) for p in path.rglob("*") if p.is_file()}
+
+
+def cache_lookups(stderr):
+    return stderr.count("PERSISTENT COMPILATION CACHE MISS"), stderr.count("Persistent compilation cache hit")
+
+
 def test_default_run_prints_every_prompt_and_the_stats(tmp_path):
-    """No --model: the embedded one, found from the script's location, not the working directory."""
-    result = run_script("--max-tokens", "4", "--temperature", "0", cwd=tmp_path)
+    """No --model: the embedded one, found from the script's location, not the working directory.
+    A second start finds every program the first compiled in the cache ($PAGED_JAX_CACHE_DIR the
+    first time, the same directory by --compilation-cache-dir the second) and writes nothing new."""
+    cache = tmp_path / "cache"
+    result = run_script("--max-tokens", "4", "--temperature", "0", cwd=tmp_path, cache_dir=cache, **CACHE_LOG)
     assert result.returncode == 0, result.stderr
     for i, prompt in enumerate(generate.PROMPTS):
         assert f"=== prompt {i + 1}/{len(generate.PROMPTS)} ===\n{prompt}" in result.stdout
-    stats = STATS.findall(result.stdout)
     # Four prompts, four tokens each: the trained model ends none of them with EOS this early.
-    assert stats == [(str(len(generate.PROMPTS)), str(4 * len(generate.PROMPTS)))]
+    assert STATS.findall(result.stdout) == [(str(len(generate.PROMPTS)), str(4 * len(generate.PROMPTS)))]
+    written = cache_files(cache)
+    misses, hits = cache_lookups(result.stderr)
+    # Every program compiled was written, small ones too (jax's default skips those under 1 s).
+    assert (misses, hits) == (len(written), 0) and misses >= 3  # prefill step, decode loop, pool ops
+
+    again = run_script("--max-tokens", "4", "--temperature", "0", "--compilation-cache-dir", str(cache),
+                       cwd=tmp_path, cache_dir=tmp_path / "unused", **CACHE_LOG)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.split("\nrequests ")[0] == result.stdout.split("\nrequests ")[0]
+    assert cache_lookups(again.stderr) == (0, misses)
+    assert cache_files(cache) == written and not (tmp_path / "unused").exists()
 
 
-def test_stream_prints_the_same_text_as_batch_output(capsys):
+def test_stream_prints_the_same_text_as_batch_output(capsys, monkeypatch, tmp_path):
     # Seeded sampling draws the same tokens in both modes (same requests in the same order), and n=2
     # makes each prompt's two samples differ, so a mixed-up sample index shows. float32 and the
     # engine's default sizes, no top-p filter: test_embedded_model's engine reuses these compilations.
+    # In this process, without the compilation cache: it would hold every later test's programs too.
     args = ["--prompt", "def add(a, b):\\n", "--prompt", "import sys\\n", "--max-tokens", "12",
-            "--temperature", "0.8", "--top-p", "1", "--seed", "1", "--n", "2", "--dtype", "float32"]
+            "--temperature", "0.8", "--top-p", "1", "--seed", "1", "--n", "2", "--dtype", "float32",
+            "--no-compilation-cache"]
+    monkeypatch.setenv("PAGED_JAX_CACHE_DIR", str(tmp_path / "cache"))
     generate.main(args)
     batch = capsys.readouterr().out
     generate.main(args + ["--stream"])
@@ -49,6 +80,7 @@ def test_stream_prints_the_same_text_as_batch_output(capsys):
     assert STATS.findall(streamed) == [("2", "48")]  # 2 prompts x 2 samples x 12 tokens
     # The stats differ in timing only; the completions must match character for character.
     assert streamed[: STATS.search(streamed).start()] == batch[: STATS.search(batch).start()]
+    assert jax.config.jax_compilation_cache_dir is None and not (tmp_path / "cache").exists()
 
 
 def test_prompts_file_and_escapes(tmp_path):
@@ -74,7 +106,7 @@ def test_model_without_weights_is_one_line_and_exit_2(tmp_path, capsys):
     for name in ("config.json", "tokenizer.json"):
         (model / name).write_bytes((generate.DEFAULT_MODEL / name).read_bytes())
     with pytest.raises(SystemExit) as exit_info:
-        generate.main(["--model", str(model)])
+        generate.main(["--model", str(model), "--no-compilation-cache"])
     assert exit_info.value.code == 2
     captured = capsys.readouterr()
     assert captured.out == ""
