@@ -46,7 +46,8 @@ COLUMNS = {
                         ("total_tok_s", "total tok/s", ".1f"), ("ratio", "x baseline", ".2f"),
                         ("run_s", "run s", ".1f")],
     "capacity": COMMON + [("output_tok_s", "output tok/s", ".1f"), ("ratio", "x baseline", ".2f"),
-                          ("run_s", "run s", ".2f"), ("compile_s", "compile s", ".1f"), ("same_tokens", "same tokens", ".0%")],
+                          ("run_s", "run s", ".2f"), ("compile_s", "compile s", ".1f"),
+                          ("same_tokens", "same tokens", ".0%")],
 }
 CAPACITIES = ((8, 1024), (32, 1024), (256, 1024), (8, 32768), (256, 32768), (256, 131072))
 

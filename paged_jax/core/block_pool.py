@@ -82,8 +82,8 @@ def rows(pool: BlockPool, slots, width: int) -> BlockPool:
     is shared with `pool`; `put_rows` writes the rows back."""
     live = slots >= 0
     safe = jnp.where(live, slots, 0)
-    return dataclasses.replace(pool, block_tables=jnp.where(live[:, None], pool.block_tables[safe, :width], NULL_BLOCK),
-                               seq_lens=jnp.where(live, pool.seq_lens[safe], 0))
+    tables = jnp.where(live[:, None], pool.block_tables[safe, :width], NULL_BLOCK)
+    return dataclasses.replace(pool, block_tables=tables, seq_lens=jnp.where(live, pool.seq_lens[safe], 0))
 
 
 def put_rows(pool: BlockPool, view: BlockPool, slots) -> BlockPool:
@@ -91,8 +91,8 @@ def put_rows(pool: BlockPool, view: BlockPool, slots) -> BlockPool:
     `width` must be unmapped (NULL_BLOCK) in `pool`, which holds when `width` covers its blocks."""
     target = jnp.where(slots >= 0, slots, pool.max_seqs)  # padding rows: dropped
     width = view.max_blocks_per_seq
-    return dataclasses.replace(view, block_tables=pool.block_tables.at[target, :width].set(view.block_tables, mode="drop"),
-                               seq_lens=pool.seq_lens.at[target].set(view.seq_lens, mode="drop"))
+    tables = pool.block_tables.at[target, :width].set(view.block_tables, mode="drop")
+    return dataclasses.replace(view, block_tables=tables, seq_lens=pool.seq_lens.at[target].set(view.seq_lens, mode="drop"))
 
 
 def uncache_all(pool: BlockPool) -> BlockPool:

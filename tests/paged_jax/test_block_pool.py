@@ -219,3 +219,29 @@ def test_batched_share_maps_rows_independently(pool):
     assert np.asarray(pool.ref_cnt)[1:4].tolist() == [2, 2, 1]
     assert bp.free_order(pool).tolist() == [4, 5, 6, 7, 8, 9, 10]
     bp.check_invariants(pool)
+
+
+def test_a_row_view_works_as_a_pool_of_those_slots(pool):
+    """allocate / free through `rows` (slots 2 and 0, a padding row, tables 4 wide) and `put_rows`:
+    exact block ids, the pool's invariants, and the free-queue order."""
+    pool, _ = bp.allocate(pool, lens(pool, s0=20, s1=5))  # s0: blocks 1, 2; s1: block 3
+    slots = jnp.array([2, -1, 0], jnp.int32)
+    view = bp.rows(pool, slots, 4)
+    assert np.asarray(view.block_tables).tolist() == [[0] * 4, [0] * 4, [1, 2, 0, 0]]
+    view, ok = bp.allocate(view, jnp.array([33, 0, 40]))
+    merged = bp.put_rows(pool, view, slots)
+    bp.check_invariants(merged)
+    # Blocks go out in row order (slot 2's three, then slot 0's one), as allocate hands them in slot order.
+    assert bool(ok) and row(merged, 2) == [4, 5, 6] and row(merged, 0) == [1, 2, 7] and row(merged, 1) == [3]
+    freed = bp.put_rows(merged, bp.free(bp.rows(merged, slots, 4), slots >= 0), slots)
+    bp.check_invariants(freed)
+    assert int(bp.num_free(freed)) == 9 and row(freed, 1) == [3]
+    # Rows in view order, each tail first, each block prepended: the last freed is handed out first.
+    assert bp.free_order(freed).tolist() == [1, 2, 7, 4, 5, 6, 8, 9, 10]
+
+
+def test_share_refuses_a_block_twice_in_one_row(pool):
+    pool, _ = bp.allocate(pool, lens(pool, s0=32))
+    pool = bp.mark_cached(pool, jnp.array([1, 2]), 2)
+    pool, ok = bp.share(pool, jnp.array([1, 2]), jnp.array([[1, 1, 0], [1, 2, 0]]), jnp.array([2, 2]))
+    assert np.asarray(ok).tolist() == [False, True] and row(pool, 1) == [] and row(pool, 2) == [1, 2]
