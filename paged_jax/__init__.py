@@ -11,10 +11,10 @@ import sys
 from paged_jax.core import block_pool
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from paged_jax.engine.sampling_params import SamplingParams
+from paged_jax.engine.sampling_params import RequestOutputKind, SamplingParams
 from paged_jax.entrypoints.llm import LLM
 
 # `import paged_jax.block_pool` (the pool's name before the layout above) keeps working.
 sys.modules[__name__ + ".block_pool"] = block_pool
 
-__all__ = ["LLM", "LLMEngine", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "block_pool"]
+__all__ = ["LLM", "LLMEngine", "CompletionOutput", "Logprob", "RequestOutput", "RequestOutputKind", "SamplingParams", "block_pool"]

@@ -19,7 +19,7 @@ from paged_jax.core.sequence import Request, Sequence, Status
 from paged_jax.engine import config as config_lib
 from paged_jax.engine.output_processor import OutputProcessor
 from paged_jax.engine.outputs import RequestOutput
-from paged_jax.engine.sampling_params import SamplingParams
+from paged_jax.engine.sampling_params import RequestOutputKind, SamplingParams
 from paged_jax.worker import model_runner, sharding
 from paged_jax.worker.attention import resolve_backend
 
@@ -180,7 +180,8 @@ class LLMEngine:
         outputs = []
         for request_id in touched:
             request = self.requests[request_id]
-            outputs.append(self.output_processor.make_output(request))
+            if request.finished or request.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(self.output_processor.make_output(request))
             if request.finished:
                 del self.requests[request_id]
         return outputs

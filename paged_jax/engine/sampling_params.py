@@ -2,9 +2,17 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """vLLM's: which `RequestOutput`s `LLMEngine.step` returns for a request."""
+
+    CUMULATIVE = 0  # every step it progressed in, with everything so far
+    FINAL_ONLY = 2  # only when it finished (LLM.generate's: no per-step copies of long outputs)
 
 
 @dataclasses.dataclass
@@ -26,6 +34,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per output token, besides the sampled one
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         if isinstance(self.stop, str):

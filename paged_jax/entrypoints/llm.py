@@ -1,6 +1,7 @@
 """`LLM`: vLLM's offline interface. `LLM(model).generate(prompts, sampling_params)`."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 import json
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.outputs import RequestOutput
-from paged_jax.engine.sampling_params import SamplingParams
+from paged_jax.engine.sampling_params import RequestOutputKind, SamplingParams
 from paged_jax.worker.sharding import AXIS, make_mesh
 
 # config.json's model_type -> the module that loads it, imported only when used (as vLLM's registry
@@ -80,6 +81,8 @@ class LLM:
             if isinstance(prompt, dict):
                 prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
             self.engine.tokenize_prompt(prompt)
+            # Only finished outputs are read here: no per-step copies of every request (vLLM's choice too).
+            params = dataclasses.replace(params or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
             requests.append((f"gen-{next(self._ids)}", prompt, params, salt))
         for request_id, prompt, params, salt in requests:
             self.engine.add_request(request_id, prompt, params, cache_salt=salt)

@@ -326,3 +326,18 @@ def test_gpu_default_capacity_serves_what_a_small_engine_does():
     llm = make_llm(big, max_num_seqs=256, max_model_len=131072, num_blocks=64)
     assert llm.engine.config.max_blocks_per_seq == 16384
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == [o.outputs[0].token_ids for o in small]
+
+
+def test_final_only_outputs_come_once(model):
+    """vLLM's RequestOutputKind.FINAL_ONLY (what LLM.generate asks for): no output until it finishes."""
+    from paged_jax import RequestOutputKind
+
+    engine = make_llm(model, num_decode_steps=4).engine
+    engine.add_request("f", PROMPT, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                                   output_kind=RequestOutputKind.FINAL_ONLY))
+    engine.add_request("c", PROMPT[:6], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    seen = {"f": [], "c": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(len(out.outputs[0].token_ids))
+    assert seen["f"] == [10] and seen["c"] == [1, 5, 9, 10]
