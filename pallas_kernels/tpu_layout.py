@@ -5,13 +5,34 @@ head_dim]` with K and V interleaved per KV head (index 2h is K of head h, 2h + 1
 A cache meant for TPU is made in this layout and kept in it, so no call converts pages. jax ships
 no cache-write kernel for it (its source leaves one to be written): the writes here are XLA
 scatters, in place when the pages are donated. Untested on TPU hardware: on CPU the tests run
-this path through that module's own jnp reference, `ref_ragged_paged_attention`."""
+this path through that module's own jnp reference, `ref_ragged_paged_attention`, and lower the
+real kernel to its Mosaic custom call for v5e and v6e under `targets.abstract_target`."""
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels import checks
+from pallas_kernels import checks, targets
 from pallas_kernels.ragged_paged_attention import token_spans
+
+# TPU target -> (num_kv_pages_per_block, num_queries_per_block) for jax's kernel, read from its
+# tuned table (tuned_block_sizes.py: bf16, head_dim 128, page sizes 16..256): on v5e and v6e its
+# most frequent choice at the longest context it tuned is, for every page size, 16 pages and 32
+# queries (it tunes at most 16 pages per sequence: more spill its 32 scalar registers). Capped by
+# the table width and the token count, as jax caps them. Passed explicitly, they also spare the
+# kernel asking the local device which TPU it is, so it lowers ahead of time under
+# targets.abstract_target. Another TPU (or none: the tests' jnp stand-in) gets jax's own lookup.
+TPU_BLOCKS = {"v5e": (16, 32), "v6e": (16, 32)}
+
+
+def tpu_block_sizes(num_tokens, max_blocks_per_seq, target=None):
+    """-> the block-size keyword arguments of jax's kernel for `target` (default: the TPU being
+    built for); {} when TPU_BLOCKS has no row for it."""
+    row = TPU_BLOCKS.get(target or targets.tpu_target())
+    if row is None:
+        return {}
+    pages, queries = row
+    return dict(num_kv_pages_per_block=min(pages, max_blocks_per_seq),
+                num_queries_per_block=min(queries, num_tokens))
 
 
 def kv_pages_shape(num_blocks, block_size, num_kv_heads, head_dim):
@@ -78,7 +99,8 @@ def ragged_paged_attention_tpu(
     out = rpa.ragged_paged_attention(
         q, kv_pages, seq_lens, block_tables, query_start_loc, jnp.array([num_seqs], jnp.int32),
         sm_scale=head_dim**-0.5 if sm_scale is None else sm_scale, soft_cap=soft_cap,
-        sliding_window=sliding_window)
+        sliding_window=sliding_window,
+        **tpu_block_sizes(num_tokens, block_tables.shape[1]))
     out = jnp.pad(out, ((0, num_tokens - out.shape[0]), (0, 0), (0, 0)))
     _, lo, hi = token_spans(block_tables, seq_lens, query_start_loc, num_tokens, sliding_window)
     return jnp.where((hi > lo)[:, None, None], out, 0).astype(q.dtype)

@@ -7,12 +7,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from paged_jax import LLM, SamplingParams
-from paged_jax.worker import sharding
 from paged_jax.core import block_pool as bp
+from paged_jax.worker import sharding
 from paged_jax.worker.attention import AttentionMetadata
+from pallas_kernels import targets
 from tests.models.model_testing import max_rel_err, random_model, tiny_config
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices: run in its own process "
@@ -94,18 +97,29 @@ def test_bad_tensor_parallel_sizes_are_refused():
 
 
 def test_cuda_export_finds_the_triton_kernels_under_shard_map():
+    """Lowered for two H100s that this machine does not have: an abstract mesh names the GPU (jax >=
+    0.11 reads it there), and the inputs are shapes sharded over it as the engine shards them."""
     config = tiny_config(head_dim=64)
-    mesh = sharding.make_mesh(2)
-    model = sharding.shard_model(random_model(config), mesh)
-    cache = model.init_cache(16, 8)
+    model = sharding.shard_model(random_model(config), sharding.make_mesh(2))
+    platform, device_kind, cores = targets.TARGETS["sm_90"]
+    gpus = AbstractMesh((2,), (sharding.AXIS,), axis_types=(AxisType.Auto,),
+                        abstract_device=AbstractDevice(device_kind=device_kind, num_cores=cores, platform=platform))
+
+    def on_gpus(x):  # the array's shape, sharded over the abstract mesh as it is over the CPU devices
+        spec = getattr(x.sharding, "spec", P()) if hasattr(x, "sharding") else P()
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(gpus, spec))
+
+    graphdef, params = nnx.split(model)
     tokens, positions, md, rows = prefill_inputs(PROMPTS[0], 16)
+    inputs = (params, tokens, positions, model.init_cache(16, 8), md, rows)
 
-    def forward(model, tokens, positions, cache, md, rows):
-        return model(tokens, positions, cache, md, rows, backend="pallas", mesh=mesh)
+    def forward(params, tokens, positions, cache, md, rows):
+        return nnx.merge(graphdef, params)(tokens, positions, cache, md, rows, backend="pallas", mesh=gpus)
 
-    exported = jax.export.export(jax.jit(forward), platforms=("cuda",),
-                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(
-        model, tokens, positions, cache, md, rows)
+    with jax.sharding.use_abstract_mesh(gpus):
+        exported = jax.export.export(jax.jit(forward), platforms=("cuda",),
+                                     disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(
+            *jax.tree.map(on_gpus, inputs))
     module = exported.mlir_module()
     names = re.findall(r'@__gpu\$xla\.gpu\.triton\([^\n]*name = "([^"]*)"', module)
     assert {"write_kv", "ragged_paged_attention"} <= set(names)

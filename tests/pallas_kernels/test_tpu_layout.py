@@ -1,14 +1,22 @@
 """Our contract over jax's TPU ragged paged attention and its interleaved K/V cache layout, on CPU:
-the kernel itself needs a TPU, so it is swapped for the same module's jnp reference,
-`ref_ragged_paged_attention` (eager only: it loops over the sequences in Python)."""
+the kernel itself needs a TPU to run, so it is swapped for the same module's jnp reference,
+`ref_ragged_paged_attention` (eager only: it loops over the sequences in Python). The real kernel
+is lowered to its Mosaic custom call for v5e and v6e under `targets.abstract_target`."""
+import functools
+import importlib
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels import (copy_blocks_reference, copy_blocks_tpu,
-                            ragged_paged_attention_reference, ragged_paged_attention_tpu,
+                            ragged_paged_attention_reference, ragged_paged_attention_tpu, targets,
                             write_kv_reference, write_kv_tpu)
+from pallas_kernels.tpu_layout import TPU_BLOCKS, tpu_block_sizes
 from tests.pallas_kernels.paged_batches import TOL, dense_attention, make_batch, rel_err
+
+RPA = "jax.experimental.pallas.ops.tpu.ragged_paged_attention"  # in jax 0.10 and 0.12 alike
 
 
 @pytest.fixture
@@ -66,3 +74,55 @@ def test_cache_writes_match_the_paged_layout():
     got = copy_blocks_tpu(interleave(k_pages, v_pages), src, dst)
     expected = interleave(*copy_blocks_reference(k_pages, v_pages, src, dst))
     np.testing.assert_array_equal(got, expected)
+
+
+def tpu_args(num_tokens, max_blocks_per_seq, num_seqs=8):
+    """Abstract inputs of a Llama-3.1-8B-like layer: 8 query heads on 2 KV heads, hd128, bf16."""
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    return (jax.ShapeDtypeStruct((num_tokens, 8, 128), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1024, 16, 4, 128), jnp.bfloat16),
+            i32((num_seqs, max_blocks_per_seq)), i32((num_seqs,)), i32((num_seqs + 1,)))
+
+
+@pytest.mark.parametrize("target", targets.TPU_TARGETS)
+@pytest.mark.parametrize("num_tokens,max_blocks,blocks", [(128, 512, (16, 32)), (20, 7, (7, 20))])
+def test_lowers_to_mosaic_for_each_tpu(monkeypatch, target, num_tokens, max_blocks, blocks):
+    """On this CPU machine jax's TPU kernel lowers to one Mosaic `tpu_custom_call` for the TPU the
+    abstract device names, with TPU_BLOCKS' block sizes (capped by the table and the tokens)."""
+    rpa = importlib.import_module(RPA)
+    kernel, seen = rpa.ragged_paged_attention, []
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["num_kv_pages_per_block"], kwargs["num_queries_per_block"]))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(rpa, "ragged_paged_attention", spy)
+    with targets.abstract_target(target):
+        exported = jax.export.export(jax.jit(ragged_paged_attention_tpu), platforms=("tpu",))(
+            *tpu_args(num_tokens, max_blocks))
+    module = exported.mlir_module()
+    assert module.count("stablehlo.custom_call @tpu_custom_call(") == 1
+    assert 'kernel_name = "ragged_paged_attention_kernel"' in module
+    assert TPU_BLOCKS[target] == (16, 32)
+    assert seen == [blocks]
+
+
+def test_jax_alone_asks_the_local_device_for_its_block_sizes():
+    """Why TPU_BLOCKS exists: left to choose its block sizes, jax's kernel looks the chip up on the
+    local device, so it cannot lower ahead of time for an abstract TPU."""
+    rpa = importlib.import_module(RPA)
+    q, kv, tables, lens, qsl = tpu_args(128, 512)
+    num_seqs = jax.ShapeDtypeStruct((1,), jnp.int32)
+    with targets.abstract_target("v6e"):
+        lower = jax.export.export(jax.jit(rpa.ragged_paged_attention), platforms=("tpu",))
+        with pytest.raises(NotImplementedError, match="TPU version must be 4 or higher"):
+            lower(q, kv, lens, tables, qsl, num_seqs)
+
+
+def test_block_sizes_are_only_chosen_for_a_listed_tpu():
+    assert tpu_block_sizes(300, 40, "v5e") == dict(num_kv_pages_per_block=16,
+                                                  num_queries_per_block=32)
+    assert tpu_block_sizes(300, 40, "TPU7x") == {}  # jax's own lookup on a real one
+    assert targets.tpu_target() is None and tpu_block_sizes(300, 40) == {}  # this CPU
+    with targets.abstract_target("v5e"):
+        assert targets.tpu_target() == "v5e"
