@@ -61,7 +61,10 @@ def _copy_blocks_kernel(src_ref, dst_ref, _k_in, _v_in, k_pages_ref, v_pages_ref
             plgpu.store(ref.at[head, dst, offset[:, None], dims], x, mask=mask)
         return carry
 
-    jax.lax.fori_loop(0, jnp.where(ok, pl.cdiv(block_size, rows), 0), step, 0)
+    # Strongly typed: jax's Triton lowering gives a weak-typed literal of select_n the predicate's
+    # type, so where(ok, 1, 0) became an i1 loop bound that Triton's verifier rejects.
+    steps = jnp.where(ok, jnp.int32(pl.cdiv(block_size, rows)), jnp.int32(0))
+    jax.lax.fori_loop(0, steps, step, 0)
 
 
 def _call(kernel, grid, inputs, k_pages, v_pages, name, interpret):
