@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import checks
+from pallas_kernels import checks, targets
 from pallas_kernels.online_softmax import (MASK_VALUE, attend_tiles, normalize, pow2_at_least,
                                            tile_ranges)
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
@@ -25,6 +25,27 @@ from pallas_kernels.triton_call import triton_call
 # SMs) reading. Untuned (no GPU was at hand); override with num_splits.
 TARGET_PROGRAMS = 1024
 MIN_TILES_PER_SPLIT = 4  # below this a split's fixed cost outweighs its share of the reads
+
+# arch -> (bytes per KV element, head_dim padded to a power of two >= 64) -> (block_n keys per
+# tile, num_warps, num_stages). Every row compiles without spills for each group size and block
+# size (tests/pallas_kernels/test_cubin.py; the costs: scripts/check_gpu_kernels.py). f32 dots at
+# HIGHEST precision run on the FMA units, each thread holding slices of whole operand tiles, so
+# f32 gets 8 warps and, at hd >= 128, fewer keys per tile (64 keys at 4 warps spilled 189 stores
+# at hd128 on sm_90); so does 16-bit hd256 (32 keys at 4 warps spilled with a soft cap on sm_80).
+# Untuned for speed (no GPU was at hand): 2-stage cp.async pipelines of tiles that fit with room.
+DECODE_TILES = {
+    "sm_90": {(2, 64): (64, 4, 2), (2, 128): (64, 4, 2), (2, 256): (16, 8, 2),
+              (4, 64): (64, 8, 2), (4, 128): (32, 8, 2), (4, 256): (16, 8, 2)},
+}
+DECODE_TILES["sm_80"] = DECODE_TILES["sm_90"]  # they fit the A100 too: <= 50 KB of 163 KB shared
+
+
+def decode_tiles(dtype, head_dim, arch=None):
+    """-> dict(block_n, num_warps, num_stages): DECODE_TILES' row for pages of `dtype` and
+    `head_dim` on `arch` (default: the GPU being built for)."""
+    rows = targets.nearest(DECODE_TILES, arch or targets.gpu_arch())
+    block_n, num_warps, num_stages = rows[jnp.dtype(dtype).itemsize, pow2_at_least(head_dim, 64)]
+    return dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
 
 
 def _group_rows(seq, head, group, block_m, num_kv_heads, num_rows, head_dim):
@@ -157,16 +178,17 @@ def paged_attention(
     **tuning,  # block_n (keys per tile), num_splits, num_warps, num_stages
 ):
     """Decode attention of each sequence's newest token over its cached keys `[0, seq_len)`, or its
-    last `sliding_window` of them. Tuning defaults are set from the shapes."""
+    last `sliding_window` of them. Tuning defaults: DECODE_TILES, and num_splits from the shapes."""
     _, num_kv_heads, head_dim = checks.check_attention(q, k_pages, v_pages, block_tables,
                                                        seq_lens, out)
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError(f"q has {q.shape[0]} sequences, block_tables {block_tables.shape[0]}")
     checks.check_options(sm_scale, soft_cap, sliding_window)
     num_seqs, max_blocks = block_tables.shape
-    block_n = tuning.get("block_n", 64 if head_dim <= 128 else 32)
-    defaults = dict(block_n=block_n, num_warps=4, num_stages=2, num_splits=_default_splits(
-        num_seqs, num_kv_heads, max_blocks * k_pages.shape[2], block_n, sliding_window))
+    defaults = decode_tiles(q.dtype, head_dim)
+    block_n = tuning.get("block_n", defaults["block_n"])
+    defaults["num_splits"] = _default_splits(num_seqs, num_kv_heads, max_blocks * k_pages.shape[2],
+                                             block_n, sliding_window)
     tuning = checks.check_tuning(tuning, defaults, pow2=("block_n", "num_warps"))
     if tuning["block_n"] < 16:
         raise ValueError(f"block_n must be >= 16 (the smallest tl.dot), got {tuning['block_n']}")

@@ -9,8 +9,8 @@ folds its tile's block_q tokens x G query heads into block_m rows (vLLM's unifie
 does the same), so a K/V tile is loaded once for all of them, and visits the KV tiles from its
 first token's window start to its last token's causal end. The padding tokens' tiles write zeros,
 tiles past the last real one write nothing: every output element is written exactly once.
-Tile sizes are untuned defaults (no GPU was at hand): pass block_m, block_n, num_warps and
-num_stages to tune."""
+Tile sizes: RAGGED_TILES, per arch, dtype and head_dim; pass block_m, block_n, num_warps and
+num_stages to override."""
 from __future__ import annotations
 
 import functools
@@ -20,10 +20,33 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import checks
+from pallas_kernels import checks, targets
 from pallas_kernels.online_softmax import (MASK_VALUE, attend_tiles, normalize, pow2_at_least,
                                            tile_ranges)
 from pallas_kernels.triton_call import triton_call
+
+# arch -> (bytes per KV element, head_dim padded to a power of two >= 64) -> (block_m query rows,
+# block_n keys per tile, num_warps, num_stages). Every row compiles without spills for each group
+# size and block size (tests/pallas_kernels/test_cubin.py; the costs:
+# scripts/check_gpu_kernels.py). f32 dots at HIGHEST precision run on the FMA units with slices of
+# whole operand tiles in each thread's registers, so f32 tiles are smaller and get 8 warps (64 x 64
+# at 4 warps spilled 751 stores at hd64 and 7.6 KB of stack at hd128); 16-bit hd128 gets 8 warps
+# too (at 4 it took 240 registers on sm_90 and spilled on sm_80). Untuned for speed (no GPU was at
+# hand): the largest tiles that fit with room.
+RAGGED_TILES = {
+    "sm_90": {(2, 64): (64, 64, 4, 2), (2, 128): (64, 64, 8, 2), (2, 256): (32, 32, 4, 2),
+              (4, 64): (64, 32, 8, 2), (4, 128): (32, 16, 8, 2), (4, 256): (16, 32, 8, 2)},
+}
+RAGGED_TILES["sm_80"] = RAGGED_TILES["sm_90"]  # they fit the A100 too: <= 90 KB of 163 KB shared
+
+
+def ragged_tiles(dtype, head_dim, arch=None):
+    """-> dict(block_m, block_n, num_warps, num_stages): RAGGED_TILES' row for pages of `dtype` and
+    `head_dim` on `arch` (default: the GPU being built for)."""
+    rows = targets.nearest(RAGGED_TILES, arch or targets.gpu_arch())
+    block_m, block_n, num_warps, num_stages = rows[jnp.dtype(dtype).itemsize,
+                                                   pow2_at_least(head_dim, 64)]
+    return dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
 
 
 def _ragged_kernel(tile_seq_ref, tile_start_ref, qsl_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,
@@ -145,10 +168,8 @@ def ragged_paged_attention(
     checks.check_int("query_start_loc", query_start_loc, (num_seqs + 1,))
     checks.check_options(sm_scale, soft_cap, sliding_window)
     group = num_heads // num_kv_heads
-    wide = head_dim > 128  # a [block_m, head_dim] f32 accumulator: fewer rows when it is wide
-    defaults = dict(block_m=32 if wide else 64, block_n=32 if wide else 64, num_warps=4,
-                    num_stages=2)
-    tuning = checks.check_tuning(tuning, defaults, pow2=("block_m", "block_n", "num_warps"))
+    tuning = checks.check_tuning(tuning, ragged_tiles(q.dtype, head_dim),
+                                 pow2=("block_m", "block_n", "num_warps"))
     if tuning["block_n"] < 16:
         raise ValueError(f"block_n must be >= 16 (the smallest tl.dot), got {tuning['block_n']}")
     # A tile holds at least one token's whole group, and 16 rows (the smallest tl.dot).

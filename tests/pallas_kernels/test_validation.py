@@ -93,3 +93,16 @@ def test_cache_writes_reject_bad_shapes():
         write_kv(pages, pages, k, k, slots.astype(jnp.float32))
     with pytest.raises(ValueError, match=r"dst must have shape \(3,\), got \(2,\)"):
         copy_blocks(pages, pages, slots, slots[:2])
+
+
+def test_cache_writes_reject_head_dims_past_256():
+    """A [rows, head_dim] tile per program past 256 is more than the kernels are built for: named
+    before any kernel is built, as in attention (test_cubin.py compiles every head_dim up to 256;
+    block sizes need no power of two, they compile at 12)."""
+    pages = jax.ShapeDtypeStruct((2, 4, 8, 320), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((3, 2, 320), jnp.bfloat16)
+    slots = jax.ShapeDtypeStruct((3,), jnp.int32)
+    with pytest.raises(ValueError, match=r"head_dim 320 is not supported \(1..256\)"):
+        jax.eval_shape(write_kv, pages, pages, k, k, slots)
+    with pytest.raises(ValueError, match=r"head_dim 320 is not supported \(1..256\)"):
+        jax.eval_shape(copy_blocks, pages, pages, slots, slots)
