@@ -1,5 +1,6 @@
 """Decode attention time and achieved bandwidth: our Pallas kernel, jax's own Pallas-Triton
-paged_attention, and a dense attention over contiguous K/V, side by side.
+paged_attention (where this jax still ships it: 0.12 deprecates it), and a dense attention over
+contiguous K/V, side by side. Our kernel runs at its DECODE_TILES row, which the output records.
 
 Bandwidth is the K/V bytes a decode step must read over its time, in TB/s and as a fraction of
 this device's copy bandwidth measured in the same run. Without a GPU (or with --smoke) it runs
@@ -21,6 +22,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
+from pallas_kernels.paged_attention import decode_tiles  # noqa: E402
+from scripts import jax_paged_kernel  # noqa: E402
 
 
 def make_inputs(batch, context, num_heads, num_kv_heads, head_dim, block_size, dtype):
@@ -41,23 +44,14 @@ def contiguous(pages, tables):  # -> [batch, context, num_kv_heads, head_dim]
     return per_seq.transpose(1, 2, 0, 3)
 
 
-def jax_splits(pages_per_seq, pages_per_block):
-    """jax's kernel asserts pages_per_seq % k_splits == 0 and the partition % pages_per_block."""
-    return max(k for k in range(1, 17) if pages_per_seq % k == 0
-               and (pages_per_seq // k) % min(pages_per_block, pages_per_seq // k) == 0)
-
-
-def methods(gpu):
-    """name -> (q, k_pages, v_pages, tables, lens, k_dense, v_dense) -> out."""
+def methods(gpu, jax_paged_attention):
+    """name -> (q, k_pages, v_pages, tables, lens, k_dense, v_dense) -> out; jax's kernel only
+    where `jax_paged_attention` is not None."""
     def ours(q, kp, vp, t, n, kd, vd):
         return pk.paged_attention(q, kp, vp, t, n, interpret=not gpu)
 
-    def jax_paged(q, kp, vp, t, n, kd, vd):  # it has no softmax scale: q is pre-scaled
-        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
-        splits = jax_splits(t.shape[1], 8)
-        return paged_attention(q * q.shape[-1] ** -0.5, kp, vp, t, n, k_splits=splits,
-                               pages_per_compute_block=min(8, t.shape[1] // splits),
-                               interpret=not gpu)
+    def jax_paged(q, kp, vp, t, n, kd, vd):
+        return jax_paged_kernel.attention(jax_paged_attention, q, kp, vp, t, n, interpret=not gpu)
 
     def dense(q, kp, vp, t, n, kd, vd):  # all sequences full length: no mask needed
         return jax.nn.dot_product_attention(q[:, None], kd, vd)[:, 0]
@@ -66,8 +60,10 @@ def methods(gpu):
         return pk.paged_attention_reference(q, kp, vp, t, n)
 
     suffix = "" if gpu else " (interpret)"
-    rows = {"paged-jax" + suffix: ours, "jax pallas paged_attention" + suffix: jax_paged,
-            "dense (contiguous K/V)": dense}
+    rows = {"paged-jax" + suffix: ours}
+    if jax_paged_attention is not None:
+        rows["jax pallas paged_attention" + suffix] = jax_paged
+    rows["dense (contiguous K/V)"] = dense
     return rows if gpu else {**rows, "paged-jax jnp reference": reference}
 
 
@@ -113,8 +109,11 @@ def main():
             [64, 128], 2, 8, 2, 64)
         args.iters = min(args.iters, 2)
     dtype = jnp.bfloat16 if gpu else jnp.float32
+    jax_paged_attention, jax_status = jax_paged_kernel.load()
+    tiles = decode_tiles(dtype, args.head_dim)
     copy = copy_tb_s(1 << 30 if gpu else 1 << 24, args.iters)
     print(f"{jax.devices()[0].device_kind}: copy bandwidth {copy:.3g} TB/s")
+    print(f"paged-jax tiles (DECODE_TILES): {tiles}; jax's own paged_attention: {jax_status}")
     print(f"{'method':40} {'context':>7} {'ms':>9} {'TB/s':>8} {'of copy':>8} "
           f"{'compile s':>9} {'max |diff| vs first':>20}")
     rows = []
@@ -126,7 +125,7 @@ def main():
                   contiguous(v_pages, tables))
         kv_bytes = 2 * args.batch * context * args.num_kv_heads * args.head_dim * q.dtype.itemsize
         expected = None
-        for name, fn in methods(gpu).items():
+        for name, fn in methods(gpu, jax_paged_attention).items():
             compile_s, ms, out = timed(fn, inputs, args.iters)
             out = np.asarray(out, np.float32)
             expected = out if expected is None else expected
@@ -138,7 +137,8 @@ def main():
                   f"{compile_s:9.2f} {err:20.1e}")
     result = dict(device=jax.devices()[0].device_kind, smoke=not gpu, dtype=jnp.dtype(dtype).name,
                   batch=args.batch, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
-                  head_dim=args.head_dim, block_size=args.block_size, copy_tb_s=copy, rows=rows)
+                  head_dim=args.head_dim, block_size=args.block_size, copy_tb_s=copy, tiles=tiles,
+                  jax_kernel=jax_status, rows=rows)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}")

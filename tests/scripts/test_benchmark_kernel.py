@@ -1,9 +1,13 @@
 """scripts/benchmark_kernel.py in smoke mode (what it runs without a GPU): every method at every
-context, timings recorded, and the methods agree on the attention they time."""
+context, timings recorded, and the methods agree on the attention they time. jax's own kernel is
+compared on both jax lines: 0.12 deprecates it, and the benchmark says so."""
 import importlib.util
 import json
 import pathlib
 import sys
+import warnings
+
+import jax
 
 SCRIPT = pathlib.Path(__file__).parents[2] / "scripts" / "benchmark_kernel.py"
 
@@ -14,9 +18,17 @@ def test_smoke_run_writes_agreeing_rows(tmp_path, monkeypatch, capsys):
     spec.loader.exec_module(script)
     out = tmp_path / "kernel.json"
     monkeypatch.setattr(sys, "argv", ["benchmark_kernel.py", "--smoke", "--out", str(out)])
-    script.main()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # the script hears jax's, none leaks
+        script.main()
     result = json.loads(out.read_text())
     assert result["smoke"] and result["copy_tb_s"] > 0
+    assert result["tiles"] == dict(block_n=64, num_warps=8, num_stages=2)  # f32, hd64: DECODE_TILES
+    if jax.__version_info__ >= (0, 12):
+        assert result["jax_kernel"] == (f"deprecated in jax {jax.__version__}: jax.experimental."
+                                        "pallas.ops.gpu.paged_attention is deprecated.")
+    else:
+        assert result["jax_kernel"] == f"in jax {jax.__version__}"
     methods = ["paged-jax (interpret)", "jax pallas paged_attention (interpret)",
                "dense (contiguous K/V)", "paged-jax jnp reference"]
     assert [(r["method"], r["context"]) for r in result["rows"]] == [
@@ -24,4 +36,6 @@ def test_smoke_run_writes_agreeing_rows(tmp_path, monkeypatch, capsys):
     for row in result["rows"]:
         assert row["ms"] > 0 and row["tb_s"] > 0 and row["compile_s"] > 0
         assert row["max_err_vs_first"] <= 1e-5
-    assert "jax pallas paged_attention (interpret)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "jax pallas paged_attention (interpret)" in printed
+    assert f"jax's own paged_attention: {result['jax_kernel']}" in printed
