@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in one run on a lent one, under 10 minutes, into one report:
+#   1. the gpu-marked tests: the compiled kernels against the references, the engine on the GPU
+#   2. the kernel benchmark: ours at its DECODE_TILES row, jax's own kernel where this jax has it,
+#      dense attention over contiguous K/V (also written as JSON)
+#   3. the engine end to end on the embedded model: the Pallas backend against the reference
+#      backend, greedy tokens compared and tok/s of each
+# From a source checkout with no install step (pytest's pythonpath is ".", the scripts put the
+# checkout on sys.path); it needs jax with CUDA, flax and the project's dependencies present.
+#   bash scripts/gpu_check.sh [REPORT_DIR]    (default: gpu_check/; the report is REPORT_DIR/report.md)
+set -uo pipefail  # not -e: every step runs, and a failed one makes the exit status 1
+cd "$(dirname "$0")/.."
+out="${1:-gpu_check}"
+mkdir -p "$out"
+report="$out/report.md"
+python="${PYTHON:-python3}"
+export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda,cpu}"  # the CPU too: tests that compare against it use it
+status=0
+
+step() {  # step TITLE SECONDS COMMAND...: run under a time limit; its output goes to the report
+    local title=$1 limit=$2 start=$SECONDS rc
+    shift 2
+    echo "== $title (limit $limit s)"
+    timeout --kill-after=10 "$limit" "$@" > "$out/step.log" 2>&1
+    rc=$?
+    tail -n 120 "$out/step.log"
+    { echo "## $title"; echo; echo '```'; tail -n 120 "$out/step.log"; echo '```'; echo
+      echo "exit status $rc after $((SECONDS - start)) s (limit $limit s)"; echo; } >> "$report"
+    [ "$rc" -eq 0 ] || status=1
+}
+
+{ echo "# GPU check, $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null)"
+  echo; echo '```'; nvidia-smi -L 2>&1
+  "$python" -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1; echo '```'; echo
+} > "$report"
+
+step "gpu-marked tests" 270 "$python" -m pytest -q -m gpu -p no:cacheprovider
+step "kernel benchmark" 180 "$python" scripts/benchmark_kernel.py --out "$out/benchmark_kernel.json"
+step "engine on the embedded model: pallas against reference" 120 "$python" - <<'EOF'
+import sys
+import time
+
+from paged_jax import LLM, SamplingParams
+
+PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self):\n",
+           'if __name__ == "__main__":\n']
+params = SamplingParams(temperature=0.0, max_tokens=64)
+tokens = {}
+for backend in ("pallas", "reference"):
+    llm = LLM("models/embedded", attention_backend=backend, log_stats=False)
+    llm.generate(PROMPTS, params)  # compiles
+    start = time.perf_counter()
+    outputs = llm.generate(PROMPTS, params)
+    seconds = time.perf_counter() - start
+    tokens[backend] = [o.outputs[0].token_ids for o in outputs]
+    generated = sum(len(t) for t in tokens[backend])
+    print(f"{backend:9} {generated} tokens in {seconds:.2f} s: {generated / seconds:.0f} tok/s")
+for i, (a, b) in enumerate(zip(tokens["pallas"], tokens["reference"])):
+    same = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    print(f"prompt {i}: {'identical' if a == b else f'first difference at token {same}'}")
+sys.exit(0 if tokens["pallas"] == tokens["reference"] else 1)
+EOF
+
+rm -f "$out/step.log"
+echo "wrote $report (exit status $status)"
+exit $status
