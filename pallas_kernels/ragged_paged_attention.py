@@ -31,13 +31,15 @@ from pallas_kernels.triton_call import triton_call
 # scripts/check_gpu_kernels.py). f32 dots at HIGHEST precision run on the FMA units with slices of
 # whole operand tiles in each thread's registers, so f32 tiles are smaller and get 8 warps (64 x 64
 # at 4 warps spilled 751 stores at hd64 and 7.6 KB of stack at hd128); 16-bit hd128 gets 8 warps
-# too (at 4 it took 240 registers on sm_90 and spilled on sm_80). Untuned for speed (no GPU was at
-# hand): the largest tiles that fit with room.
+# too (at 4 it took 240 registers on sm_90 and spilled on sm_80), and 16-bit hd256 16 rows (32
+# took 248 with a soft cap). The A100's ptxas needs more registers for the same 16-bit tiles: there
+# hd64 gets 8 warps (sm_90's row took all 255). Untuned for speed (no GPU was at hand): the
+# largest tiles that fit with room.
 RAGGED_TILES = {
-    "sm_90": {(2, 64): (64, 64, 4, 2), (2, 128): (64, 64, 8, 2), (2, 256): (32, 32, 4, 2),
+    "sm_90": {(2, 64): (64, 64, 4, 2), (2, 128): (64, 64, 8, 2), (2, 256): (16, 32, 4, 2),
               (4, 64): (64, 32, 8, 2), (4, 128): (32, 16, 8, 2), (4, 256): (16, 32, 8, 2)},
 }
-RAGGED_TILES["sm_80"] = RAGGED_TILES["sm_90"]  # they fit the A100 too: <= 90 KB of 163 KB shared
+RAGGED_TILES["sm_80"] = {**RAGGED_TILES["sm_90"], (2, 64): (64, 64, 8, 2)}
 
 
 def ragged_tiles(dtype, head_dim, arch=None):
