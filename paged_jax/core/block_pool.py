@@ -101,11 +101,6 @@ def uncache_all(pool: BlockPool) -> BlockPool:
     return dataclasses.replace(pool, cached=jnp.zeros_like(pool.cached))
 
 
-def select(ok, new: BlockPool, old: BlockPool) -> BlockPool:
-    """`new` where `ok`, else `old`: how a composite call hands back the pool unchanged on failure."""
-    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-
-
 def _cdiv(n, d):
     return (n + d - 1) // d
 

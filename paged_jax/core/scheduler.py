@@ -32,13 +32,11 @@ class Plan:
     free_blocks: int = 0  # the most blocks any freed slot held (the device's table width for the frees)
     num_waiting: int = 0  # requests still waiting after this plan (the decode loop leaves early for them)
 
-    @property
-    def is_decode(self) -> bool:
-        """Only running sequences whose one pending token is their last sampled one: the device's
-        K-step loop can run. (A sequence still in its prefill that the budget gives one token is not
-        decoding: the loop would feed its last token at the wrong position.)"""
-        return bool(self.scheduled) and not (self.admitted or self.forks or self.preempted) and all(
-            n == 1 and seq.num_tokens - seq.num_computed == 1 for seq, n in self.scheduled)
+    # Decided when planned (the sequences move on after the call): only running sequences whose one
+    # pending token is their last sampled one, so the device's K-step loop can run. A sequence still
+    # in its prefill that the budget gives one token is not decoding: the loop would feed its last
+    # token at the wrong position.
+    is_decode: bool = False
 
 
 class Scheduler:
@@ -172,6 +170,8 @@ class Scheduler:
             if seq.children and seq.num_computed + n == seq.num_tokens:
                 plan.forks += [(child, seq) for child in seq.children]
         plan.num_waiting = len(self.waiting)
+        plan.is_decode = bool(plan.scheduled) and not (plan.admitted or plan.forks or plan.preempted) and all(
+            n == 1 and seq.num_tokens - seq.num_computed == 1 for seq, n in plan.scheduled)
         plan.free_blocks, self.pending_free_blocks = self.pending_free_blocks, 0
         return plan
 
