@@ -87,16 +87,14 @@ def test_f32_dots_are_ieee_not_tf32(arch):
 
 
 def test_without_an_abstract_gpu_jax_lowers_for_sm_90_or_asks_for_one():
-    """What moved between jax lines: without a GPU and without an abstract target, jax 0.10 lowers
-    for sm_90 and jax >= 0.11 refuses, naming AbstractDevice (so every lowering here goes through
-    targets.abstract_target)."""
-    if jax.default_backend() == "gpu":
-        pytest.skip("a GPU is present: jax lowers for it")
+    """What moved between jax lines: without an abstract target, jax lowers for the local GPU when
+    there is one; without a GPU, jax 0.10 lowers for sm_90 and jax >= 0.11 refuses, naming
+    AbstractDevice (so every lowering here goes through targets.abstract_target)."""
     plain = jax.export.export(
         jax.jit(functools.partial(paged_attention, num_splits=1)), platforms=("cuda",),
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton_ir.TRITON)])
     args = attention_args(jnp.bfloat16, 64)
-    if jax.__version_info__ >= targets.TRITON_READS_ABSTRACT_GPU:
+    if jax.default_backend() != "gpu" and jax.__version_info__ >= targets.TRITON_READS_ABSTRACT_GPU:
         with pytest.raises(RuntimeError, match="No supported GPU devices found, please specify an "
                                                "abstract GPU device using AbstractDevice"):
             plain(*args)

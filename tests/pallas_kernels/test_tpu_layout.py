@@ -109,14 +109,17 @@ def test_lowers_to_mosaic_for_each_tpu(monkeypatch, target, num_tokens, max_bloc
 
 def test_jax_alone_asks_the_local_device_for_its_block_sizes():
     """Why TPU_BLOCKS exists: left to choose its block sizes, jax's kernel looks the chip up on the
-    local device, so it cannot lower ahead of time for an abstract TPU."""
+    local device, so it cannot lower ahead of time for an abstract TPU; given ours, it does."""
     rpa = importlib.import_module(RPA)
     q, kv, tables, lens, qsl = tpu_args(128, 512)
     num_seqs = jax.ShapeDtypeStruct((1,), jnp.int32)
     with targets.abstract_target("v6e"):
-        lower = jax.export.export(jax.jit(rpa.ragged_paged_attention), platforms=("tpu",))
         with pytest.raises(NotImplementedError, match="TPU version must be 4 or higher"):
-            lower(q, kv, lens, tables, qsl, num_seqs)
+            jax.export.export(jax.jit(rpa.ragged_paged_attention), platforms=("tpu",))(
+                q, kv, lens, tables, qsl, num_seqs)
+        ours = functools.partial(rpa.ragged_paged_attention, **tpu_block_sizes(128, 512))
+        module = jax.export.export(jax.jit(ours), platforms=("tpu",))(q, kv, lens, tables, qsl, num_seqs).mlir_module()
+    assert module.count("stablehlo.custom_call @tpu_custom_call(") == 1
 
 
 def test_block_sizes_are_only_chosen_for_a_listed_tpu():
