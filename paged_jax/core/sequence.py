@@ -46,6 +46,10 @@ class Sequence:
     read_offset: int = 0
     num_decoded: int = 0  # output tokens looked at; those past read_offset wait for a whole character
     stop_at: int | None = None  # output tokens kept once a stop string ended the sequence
+    # RequestOutputKind.DELTA: how much of the output earlier outputs carried.
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+    finish_sent: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -92,7 +92,7 @@ class LLMEngine:
             request.seqs.append(Sequence(request, i, list(ids), seeds.generate_state(2, np.uint32)))
         self.requests[request_id] = request
         self.counters["prompt_tokens"] += len(ids)
-        error = self._unservable(request)
+        error = self.unservable(ids, params)
         if error:
             request.error = error
             for seq in request.seqs:
@@ -121,16 +121,19 @@ class LLMEngine:
             raise ValueError(f"prompt token ids {bad[:8]} are outside [0, {vocab})")
         return text, ids
 
-    def _unservable(self, request: Request) -> str | None:
-        c, n = self.config, len(request.prompt_token_ids)
+    def unservable(self, prompt_token_ids, params: SamplingParams) -> str | None:
+        """Why this engine can never serve the request, or None. Reads only the configuration, so a
+        server's request thread may ask before queueing (the request finishes with this error if
+        queued anyway)."""
+        c, n = self.config, len(prompt_token_ids)
         if n >= c.max_model_len:
             return f"the prompt has {n} tokens, max_model_len is {c.max_model_len} (one more is needed for output)"
-        longest = min(c.max_model_len, n + (request.params.max_tokens or c.max_model_len))
-        need = -(-longest // c.block_size) + (request.params.n - 1) * int(n % c.block_size != 0)
+        longest = min(c.max_model_len, n + (params.max_tokens or c.max_model_len))
+        need = -(-longest // c.block_size) + (params.n - 1) * int(n % c.block_size != 0)
         if need > c.num_blocks - 1:
             return f"the request may need {need} blocks, the KV cache holds {c.num_blocks - 1}"
-        if request.params.n > c.max_num_seqs:
-            return f"n={request.params.n} samples exceed max_num_seqs={c.max_num_seqs}"
+        if params.n > c.max_num_seqs:
+            return f"n={params.n} samples exceed max_num_seqs={c.max_num_seqs}"
         return None
 
     def abort_request(self, request_ids) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from paged_jax.core.sequence import Request, Sequence, Status
 from paged_jax.engine.detokenizer import decode_next, find_stop
 from paged_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from paged_jax.engine.sampling_params import RequestOutputKind
 
 
 class OutputProcessor:
@@ -85,16 +86,47 @@ class OutputProcessor:
         seq.prefix_offset, seq.read_offset = seq.read_offset, seq.num_output
 
     def make_output(self, request: Request) -> RequestOutput:
+        delta = request.params.output_kind is RequestOutputKind.DELTA
         completions = []
         for seq in request.seqs:
             self._detokenize(seq)
             if seq.finished:
                 self._finish_text(seq)
+            if delta:
+                completion = self._delta(seq)
+                if completion is not None:
+                    completions.append(completion)
+                continue
             completions.append(CompletionOutput(
                 index=seq.index, text=seq.output_text, token_ids=list(seq.output_ids),
-                cumulative_logprob=sum(seq.token_logprobs) if request.params.logprobs is not None else None,
-                logprobs=seq.logprobs, finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason))
+                cumulative_logprob=self._cumulative_logprob(seq), logprobs=seq.logprobs,
+                finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason))
         metrics = dict(arrival_time=request.arrival_time, first_token_time=request.first_token_time,
                        finish_time=request.finish_time)
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), completions,
                              request.finished, request.num_cached_tokens or 0, request.error, metrics)
+
+    @staticmethod
+    def _cumulative_logprob(seq: Sequence) -> float | None:
+        return sum(seq.token_logprobs) if seq.request.params.logprobs is not None else None
+
+    def _delta(self, seq: Sequence) -> CompletionOutput | None:
+        """What `seq` has that no earlier output carried, or None when nothing. A running sequence
+        keeps back its last max(len(stop)) - 1 characters, as vLLM's streaming does: a stop string
+        they may begin would cut them from the text, and a chunk cannot be taken back."""
+        params, text = seq.request.params, seq.output_text
+        end = len(text)
+        if not seq.finished and params.stop and not params.include_stop_str_in_output:
+            end = max(seq.num_sent_chars, end - max(len(s) for s in params.stop) + 1)
+        finish = seq.status.finish_reason if seq.finished and not seq.finish_sent else None
+        if end == seq.num_sent_chars and seq.num_sent_tokens == seq.num_output and finish is None:
+            return None
+        tokens = seq.token_ids[seq.num_prompt_tokens + seq.num_sent_tokens:]
+        logprobs = seq.logprobs[seq.num_sent_tokens:] if seq.logprobs is not None else None
+        completion = CompletionOutput(
+            index=seq.index, text=text[seq.num_sent_chars:end], token_ids=tokens,
+            cumulative_logprob=self._cumulative_logprob(seq), logprobs=logprobs,
+            finish_reason=finish, stop_reason=seq.stop_reason if finish else None)
+        seq.num_sent_chars, seq.num_sent_tokens = end, seq.num_output
+        seq.finish_sent = seq.finished
+        return completion

@@ -12,6 +12,7 @@ class RequestOutputKind(enum.Enum):
     """vLLM's: which `RequestOutput`s `LLMEngine.step` returns for a request."""
 
     CUMULATIVE = 0  # every step it progressed in, with everything so far
+    DELTA = 1  # every step it progressed in, with only what is new (streaming: O(new tokens) a step)
     FINAL_ONLY = 2  # only when it finished (LLM.generate's: no per-step copies of long outputs)
 
 

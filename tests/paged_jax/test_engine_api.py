@@ -341,3 +341,26 @@ def test_final_only_outputs_come_once(model):
         for out in engine.step():
             seen[out.request_id].append(len(out.outputs[0].token_ids))
     assert seen["f"] == [10] and seen["c"] == [1, 5, 9, 10]
+
+
+def test_delta_outputs_join_to_the_final_output(model):
+    """vLLM's RequestOutputKind.DELTA (what the server streams): each output carries only what is new,
+    text that a stop string may yet cut is held back, and each sample's finish comes once."""
+    from paged_jax import RequestOutputKind
+
+    g = greedy_reference(model, PROMPT, 10)
+    stop = f"w{g[4]} w{g[5]}"
+    prompt = " ".join(f"w{t}" for t in PROMPT)
+    params = dict(temperature=0.0, max_tokens=10, stop=[stop], logprobs=1)
+    final = make_llm(model, tokenizer=word_tokenizer()).generate([prompt], SamplingParams(**params))[0].outputs[0]
+    engine = make_llm(model, tokenizer=word_tokenizer(), num_decode_steps=1).engine
+    engine.add_request("d", prompt, SamplingParams(**params, output_kind=RequestOutputKind.DELTA))
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += [c for out in engine.step() for c in out.outputs]
+    assert "".join(c.text for c in deltas) == final.text == " ".join(f"w{t}" for t in g[:4]) + " "
+    assert [t for c in deltas for t in c.token_ids] == final.token_ids == g[:6]
+    assert [lp for c in deltas for lp in c.logprobs] == final.logprobs
+    assert [c.finish_reason for c in deltas if c.finish_reason] == ["stop"] and deltas[-1].finish_reason == "stop"
+    # Held back: the text of w{g[4]} (which the stop string began) never went out before the cut.
+    assert all(f"w{g[4]}" not in c.text for c in deltas)
