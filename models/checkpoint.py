@@ -22,7 +22,7 @@ from safetensors import safe_open
 from models.llama import Llama, LlamaConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "tokenizer.model")
+                   "generation_config.json", "tokenizer.model", "chat_template.jinja")
 ORBAX_STATE = "state"
 
 
