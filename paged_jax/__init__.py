@@ -8,6 +8,8 @@ on the device, `engine/` the engine and its inputs and outputs, `entrypoints/` w
 """
 import sys
 
+__version__ = "0.1.0"
+
 from paged_jax.core import block_pool
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput

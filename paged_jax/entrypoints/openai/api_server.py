@@ -1,0 +1,248 @@
+"""The OpenAI-compatible HTTP server (vLLM's `vllm serve`): FastAPI routes over an `AsyncLLM`.
+
+    python -m paged_jax.serve [--model DIR] [--host 127.0.0.1] [--port 8000] [engine flags]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import importlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import paged_jax
+from paged_jax.entrypoints.async_llm import AsyncLLM
+from paged_jax.entrypoints.openai.metrics import Metrics
+from paged_jax.entrypoints.openai.protocol import APIError, field
+from paged_jax.entrypoints.openai.serving import Serving
+
+MAX_REQUEST_BYTES = 4 << 20  # a body past this is refused, and never held in memory
+DRAIN_BYTES = 64 << 20
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that notices a client gone while it waits for the engine (starlette's own
+    notices only on the next write, under ASGI 2.4): streaming and listening race, and the loser is
+    cancelled, which closes the output stream and so aborts the request."""
+
+    async def __call__(self, scope, receive, send):
+        async def listen():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        stream, listener = asyncio.ensure_future(self.stream_response(send)), asyncio.ensure_future(listen())
+        try:
+            await asyncio.wait({stream, listener}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stream, listener):
+                task.cancel()
+            await asyncio.gather(stream, listener, return_exceptions=True)
+            await self.body_iterator.aclose()
+        if stream.done() and not stream.cancelled() and stream.exception() is not None:
+            raise stream.exception()
+
+
+async def _unless_disconnected(request: Request, work):
+    """Await `work`; if the client goes first, cancel it (which aborts its requests) -> None."""
+    async def listen():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, listener = asyncio.ensure_future(work), asyncio.ensure_future(listen())
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, listener, return_exceptions=True)
+    return task.result() if not task.cancelled() else None
+
+
+class _APIKey:
+    """vLLM's --api-key: every /v1 request needs `Authorization: Bearer KEY`; /health, /metrics,
+    /version, /tokenize and /detokenize stay open (vLLM guards only /v1)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError("Unauthorized: a valid API key is required (Authorization: Bearer KEY)",
+                                 status=401, type="AuthenticationError")
+                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _read_json(request: Request, limit: int) -> dict:
+    """The JSON object of the body. A body over `limit` is read to its end but not kept (a client
+    that sends it whole before reading would see a reset connection, not the 400), up to
+    DRAIN_BYTES; past that the connection is dropped."""
+    data, size = bytearray(), 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= limit:
+            data += chunk
+        elif size > DRAIN_BYTES:
+            break
+    if size > limit:
+        raise APIError(f"the request body of {size}{'+' if size > DRAIN_BYTES else ''} bytes is over this "
+                       f"server's limit of {limit} bytes (--max-request-bytes)")
+    try:
+        body = json.loads(data)
+    except ValueError as e:
+        raise APIError(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def build_app(llm: AsyncLLM, *, model_name: str, metrics: Metrics, api_key: str | None = None,
+              max_request_bytes: int = MAX_REQUEST_BYTES, model_root: str | None = None) -> FastAPI:
+    app = FastAPI(title="paged-jax", version=paged_jax.__version__)
+    serving = Serving(llm, model_name)
+    engine = llm.engine
+
+    @app.exception_handler(APIError)
+    async def api_error(_, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    async def generate(request: Request, chat: bool):
+        # The body is read before listening for a disconnect: both would take the same messages.
+        work = serving.create(await _read_json(request, max_request_bytes), chat=chat)
+        result = await _unless_disconnected(request, work)
+        if result is None:  # the client left before the answer: nobody reads this response
+            return Response(status_code=499)
+        if isinstance(result, dict):
+            return result
+        return _EventStream(result, media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": int(time.time()), "owned_by": "paged-jax",
+            "root": model_root or model_name, "parent": None, "max_model_len": engine.config.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if llm.dead is None else 503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": paged_jax.__version__}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await _read_json(request, max_request_bytes)
+        serving.check_model(field(body, "model", str))
+        if "messages" in body:
+            ids = serving.chat_prompt(body)
+        else:
+            prompt = field(body, "prompt", str)
+            if prompt is None or serving.tokenizer is None:
+                raise APIError("prompt (a string) or messages is required, and a model with a tokenizer",
+                               param="prompt")
+            ids = serving.tokenizer.encode(prompt, add_special_tokens=field(body, "add_special_tokens", bool, True))
+        return {"count": len(ids), "max_model_len": engine.config.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await _read_json(request, max_request_bytes)
+        serving.check_model(field(body, "model", str))
+        tokens = field(body, "tokens", list)
+        if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise APIError(f"tokens must be a list of token ids, got {body.get('tokens')!r}", param="tokens")
+        try:
+            engine.tokenize_prompt(tokens or [0])  # the same range check as a prompt's
+        except ValueError as e:
+            raise APIError(str(e), param="tokens") from None
+        return {"prompt": serving.tokenizer.decode(tokens) if serving.tokenizer else ""}
+
+    return _APIKey(app, api_key) if api_key else app
+
+
+# -- the command line --------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="paged-jax-serve", description="An OpenAI-compatible server (vLLM's flags).")
+    ap.add_argument("--model", help="checkpoint directory (default: the embedded model)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--served-model-name", help="the name clients ask for (default: --model as given)")
+    for flag, kind in (("--block-size", int), ("--num-blocks", int), ("--max-num-seqs", int),
+                       ("--max-model-len", int), ("--max-num-batched-tokens", int), ("--num-decode-steps", int),
+                       ("--gpu-memory-utilization", float), ("--seed", int)):
+        ap.add_argument(flag, type=kind, help="default: the engine's")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: the checkpoint's")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--api-key", default=os.environ.get("PAGED_JAX_API_KEY"),
+                    help="require `Authorization: Bearer KEY` on /v1 (default: $PAGED_JAX_API_KEY)")
+    ap.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template instead of the model's")
+    ap.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES)
+    ap.add_argument("--compilation-cache-dir", metavar="DIR", help="jax's persistent compilation cache")
+    ap.add_argument("--no-compilation-cache", action="store_true")
+    ap.add_argument("--uvicorn-log-level", default="info")
+    return ap.parse_args(argv)
+
+
+def embedded_model() -> Path:
+    return Path(importlib.import_module("models").__file__).parent / "embedded"
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import uvicorn
+
+    from paged_jax import LLM, compilation_cache
+
+    if not args.no_compilation_cache:
+        compilation_cache.enable(args.compilation_cache_dir)
+    model = args.model or str(embedded_model())
+    engine_args = {k: getattr(args, k) for k in ("block_size", "num_blocks", "max_num_seqs", "max_model_len",
+                                                 "max_num_batched_tokens", "num_decode_steps",
+                                                 "gpu_memory_utilization", "seed") if getattr(args, k) is not None}
+    try:
+        llm = LLM(model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+                  enable_prefix_caching=args.enable_prefix_caching, **engine_args)
+        tokenizer = llm.get_tokenizer()
+        if args.chat_template:
+            if tokenizer is None:
+                raise ValueError(f"--chat-template needs a tokenizer; {model} has no tokenizer.json")
+            tokenizer.chat_template = Path(args.chat_template).read_text(encoding="utf-8")
+    except (OSError, ValueError) as e:
+        print(f"paged-jax-serve: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    name = args.served_model_name or (args.model or "embedded")
+    metrics = Metrics(name)
+    async_llm = AsyncLLM(llm.engine, on_step=metrics.on_step)
+    app = build_app(async_llm, model_name=name, metrics=metrics, api_key=args.api_key,
+                    max_request_bytes=args.max_request_bytes, model_root=model)
+    print(f"paged-jax-serve: serving {name!r} on http://{args.host}:{args.port}", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    finally:
+        async_llm.shutdown()

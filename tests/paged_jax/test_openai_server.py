@@ -1,0 +1,288 @@
+"""The OpenAI-compatible server end to end: real servers (`python -m paged_jax.serve`) on free ports
+of 127.0.0.1 with the embedded model, driven by the real `openai` client.
+
+Server A has an API key, a chat template and a pool small enough to preempt; server B has neither
+key nor template. Outputs are checked against `LLM.generate` on the same model."""
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from paged_jax import LLM, SamplingParams  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ROOT / "models" / "embedded"
+KEY = "test-key"
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+ENGINE = dict(num_blocks=40, max_num_seqs=32)  # 39 blocks of 16 tokens: 64 streams must preempt
+PROMPT = "def fibonacci(n):\n"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, tmp, *args):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(tmp / f"server-{self.port}.log", "w+")
+        env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), "PAGED_JAX_API_KEY": ""}
+        self.proc = subprocess.Popen([sys.executable, "-m", "paged_jax.serve", "--port", str(self.port),
+                                      "--uvicorn-log-level", "warning", "--no-compilation-cache", *args],
+                                     cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait(self, timeout=300):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.output()
+            try:
+                if urllib.request.urlopen(self.url + "/health", timeout=2).status == 200:
+                    return self
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError(self.output())
+
+    def output(self):
+        self.log.seek(0)
+        return self.log.read()
+
+    def post(self, path, data: bytes, headers=None):
+        request = urllib.request.Request(self.url + path, data=data, method="POST",
+                                         headers={"Content-Type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def metrics(self) -> dict:
+        text = urllib.request.urlopen(self.url + "/metrics", timeout=10).read().decode()
+        return {(s.name, s.labels.get("finished_reason")): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(30)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    (tmp / "chat.jinja").write_text(CHATML)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
+    a = Server(tmp, "--api-key", KEY, "--chat-template", str(tmp / "chat.jinja"), *flags)
+    b = Server(tmp, "--served-model-name", "tiny")
+    try:
+        yield a.wait(), b.wait()
+    finally:
+        a.stop()
+        b.stop()
+
+
+@pytest.fixture(scope="module")
+def client(servers):
+    return openai.OpenAI(base_url=servers[0].url + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return LLM(str(MODEL), log_stats=False, **ENGINE)
+
+
+def test_greedy_completion_is_llm_generate_and_usage_is_exact(client, reference):
+    want = reference.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=24))[0]
+    got = client.completions.create(model="embedded", prompt=PROMPT, max_tokens=24,
+                                    temperature=0.0, logprobs=0, extra_body={"return_tokens_as_token_ids": True})
+    choice = got.choices[0]
+    assert choice.text == want.outputs[0].text
+    assert [int(t.split(":")[1]) for t in choice.logprobs.tokens] == want.outputs[0].token_ids
+    assert choice.finish_reason == "length"
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens, got.usage.total_tokens) == (
+        len(want.prompt_token_ids), 24, len(want.prompt_token_ids) + 24)
+
+
+def test_streamed_chunks_join_to_the_unstreamed_text(client):
+    kwargs = dict(model="embedded", prompt=PROMPT, max_tokens=32, temperature=0.9, seed=7)
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]  # exactly once, on the last chunk
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_n_2_gives_two_indexed_choices_and_echo_leads_with_the_prompt(client):
+    got = client.completions.create(model="embedded", prompt=PROMPT, max_tokens=16, n=2, temperature=1.0,
+                                    seed=3, echo=True)
+    assert [c.index for c in got.choices] == [0, 1]
+    assert all(c.text.startswith(PROMPT) for c in got.choices)
+    assert got.choices[0].text != got.choices[1].text
+    assert got.usage.completion_tokens == 32
+
+
+def test_chat_streamed_and_not_through_the_template(client, servers, reference):
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "fib"}]
+    status, tokenized = servers[0].post("/tokenize", json.dumps({"messages": messages}).encode())
+    prompt = "<|im_start|>system\nYou write Python.<|im_end|>\n<|im_start|>user\nfib<|im_end|>\n<|im_start|>assistant\n"
+    assert status == 200
+    assert tokenized["tokens"] == reference.get_tokenizer().encode(prompt, add_special_tokens=False)
+    want = reference.generate([tokenized["tokens"]], SamplingParams(temperature=0.0, max_tokens=12))[0]
+    got = client.chat.completions.create(model="embedded", messages=messages, max_tokens=12, temperature=0.0)
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want.outputs[0].text
+    assert got.usage.prompt_tokens == tokenized["count"]
+    chunks = list(client.chat.completions.create(model="embedded", messages=messages, max_tokens=12,
+                                                 temperature=0.0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.outputs[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, None),
+    ({"prompt": "x " * 300}, 400, "max_tokens"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"prompt": "x", "n": 33}, 400, "n"),
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": [5, 99999]}, 400, "prompt"),
+])
+def test_bad_requests_get_openais_error_body_and_the_server_goes_on(servers, body, status, param):
+    got_status, got = servers[0].post("/v1/completions", json.dumps(body).encode(), {"Authorization": f"Bearer {KEY}"})
+    assert got_status == status
+    assert set(got["error"]) == {"message", "type", "param", "code"}
+    assert got["error"]["code"] == status and got["error"]["param"] == param
+    ok, answer = servers[0].post("/v1/completions", b'{"prompt": "x", "max_tokens": 2}',
+                                 {"Authorization": f"Bearer {KEY}"})
+    assert ok == 200 and answer["usage"]["completion_tokens"] == 2
+
+
+def test_malformed_json_and_a_body_over_the_limit_are_400(servers):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    status, body = servers[0].post("/v1/completions", b'{"prompt": "x",', auth)
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = servers[0].post("/v1/completions", b'{"prompt": "' + b"x" * (5 << 20) + b'"}', auth)
+    assert status == 400 and "limit" in body["error"]["message"]
+
+
+def test_api_key(servers):
+    a = servers[0]
+    status, body = a.post("/v1/completions", b'{"prompt": "x"}')  # no Authorization header at all
+    assert status == 401 and body["error"]["code"] == 401 and body["error"]["type"] == "AuthenticationError"
+    wrong, right = (openai.OpenAI(base_url=a.url + "/v1", api_key=k, max_retries=0) for k in ("wrong", KEY))
+    with pytest.raises(openai.AuthenticationError) as e:
+        wrong.models.list()
+    assert e.value.status_code == 401
+    assert [m.id for m in right.models.list().data] == ["embedded"]
+    assert urllib.request.urlopen(a.url + "/health").status == 200
+    assert urllib.request.urlopen(a.url + "/metrics").status == 200
+
+
+def test_a_model_without_a_chat_template_gets_a_clear_400(servers, reference):
+    b = openai.OpenAI(base_url=servers[1].url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        b.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    assert b.completions.create(model="tiny", prompt="hi", max_tokens=3).usage.completion_tokens == 3
+    status, body = servers[1].post("/detokenize", json.dumps({"tokens": [5, 6]}).encode())
+    assert status == 200 and body["prompt"] == reference.get_tokenizer().decode([5, 6])
+
+
+def test_metrics_count_what_llm_stats_counts(servers, reference):
+    a = servers[0]
+    prompts = [PROMPT, PROMPT + "    if n < 2:\n", "import os\n"]
+    before = a.metrics()
+    stats0 = reference.stats()
+    for p in prompts:
+        a.post("/v1/completions", json.dumps({"prompt": p, "max_tokens": 20, "temperature": 0, "ignore_eos": True,
+                                              "cache_salt": "metrics"}).encode(), {"Authorization": f"Bearer {KEY}"})
+    reference.generate([{"prompt": p, "cache_salt": "metrics"} for p in prompts][:1],
+                       SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    for p in prompts[1:]:
+        reference.generate([{"prompt": p, "cache_salt": "metrics"}],
+                           SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    after, stats = a.metrics(), reference.stats()
+    for key in ("prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits"):
+        name = f"vllm:{key}_total"
+        assert after[name, None] - before[name, None] == stats[key] - stats0[key], key
+    assert after["vllm:request_success_total", "length"] - before["vllm:request_success_total", "length"] == 3
+    assert after["vllm:e2e_request_latency_seconds_count", None] - before[
+        "vllm:e2e_request_latency_seconds_count", None] == 3
+
+
+async def _load(url):
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=600)
+
+    async def complete(i):
+        max_tokens = 8 + (i * 37) % 57
+        stream = await client.completions.create(
+            model="embedded", prompt=f"{i}: " + PROMPT * (1 + i % 3), max_tokens=max_tokens, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, temperature=0.8, seed=i)
+        text, usage = "", None
+        async for chunk in stream:
+            text += "".join(c.text for c in chunk.choices)
+            usage = chunk.usage or usage
+        return max_tokens, usage.completion_tokens, text
+
+    async def leave(i):
+        stream = await client.completions.create(model="embedded", prompt=PROMPT, max_tokens=200, stream=True,
+                                                 extra_body={"ignore_eos": True}, seed=100 + i)
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 2:
+                break
+        await stream.close()
+        return seen
+
+    results = await asyncio.gather(*(complete(i) for i in range(64)))
+    left = await asyncio.gather(*(leave(i) for i in range(16)))
+    await client.close()
+    return results, left
+
+
+def test_64_streams_under_preemption_then_16_that_leave(servers):
+    a = servers[0]
+    preemptions = a.metrics()["vllm:num_preemptions_total", None]
+    results, left = asyncio.run(_load(a.url))
+    assert [got for _, got, _ in results] == [want for want, _, _ in results]
+    assert all(text for _, _, text in results)
+    assert left == [2] * 16
+    assert a.metrics()["vllm:num_preemptions_total", None] > preemptions
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the aborts reach the engine thread within a step
+        m = a.metrics()
+        if m["vllm:num_requests_running", None] == 0 and m["vllm:kv_cache_usage_perc", None] == 0:
+            break
+        time.sleep(0.2)
+    assert (m["vllm:num_requests_running", None], m["vllm:num_requests_waiting", None],
+            m["vllm:kv_cache_usage_perc", None]) == (0, 0, 0)
+    assert m["vllm:request_success_total", "abort"] >= 16
+
+
+def test_benchmark_serving_end_to_end(servers, capsys):
+    from scripts import benchmark_serving
+
+    summary = benchmark_serving.main(["--url", servers[1].url, "--num-prompts", "6", "--request-rate", "50",
+                                      "--input-len-mean", "8", "--input-len-max", "16", "--output-len-mean", "8",
+                                      "--output-len-max", "16", "--vocab-size", "4096"])
+    assert (summary["completed"], summary["failed"], summary["length_mismatches"]) == (6, 0, 0)
+    assert summary["output_throughput"] > 0 and summary["p99_ttft_ms"] >= summary["median_ttft_ms"] > 0
+    assert "Serving Benchmark Result" in capsys.readouterr().out
