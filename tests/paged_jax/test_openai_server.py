@@ -138,6 +138,14 @@ def test_n_2_gives_two_indexed_choices_and_echo_leads_with_the_prompt(client):
     assert got.usage.completion_tokens == 32
 
 
+def test_cache_salt_keeps_prefix_cache_entries_apart(client):
+    prompt = PROMPT * 4  # 41 tokens: 2 full blocks of 16
+    usage = [client.completions.create(model="embedded", prompt=prompt, max_tokens=1, extra_body=extra).usage
+             for extra in ({"cache_salt": "tenant-a"}, {"cache_salt": "tenant-a"}, {"cache_salt": "tenant-b"})]
+    cached = [u.prompt_tokens_details.cached_tokens for u in usage]
+    assert cached[0] == 0 and cached[1] == 16 * (usage[1].prompt_tokens // 16) and cached[2] == 0
+
+
 def test_chat_streamed_and_not_through_the_template(client, servers, reference):
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "fib"}]
     status, tokenized = servers[0].post("/tokenize", json.dumps({"messages": messages}).encode())
@@ -286,3 +294,28 @@ def test_benchmark_serving_end_to_end(servers, capsys):
     assert (summary["completed"], summary["failed"], summary["length_mismatches"]) == (6, 0, 0)
     assert summary["output_throughput"] > 0 and summary["p99_ttft_ms"] >= summary["median_ttft_ms"] > 0
     assert "Serving Benchmark Result" in capsys.readouterr().out
+
+
+def test_an_error_inside_a_stream_is_an_error_chunk_then_done():
+    from paged_jax.engine.outputs import CompletionOutput, RequestOutput
+    from paged_jax.entrypoints.async_llm import EngineDeadError
+    from paged_jax.entrypoints.openai.protocol import Options
+    from paged_jax.entrypoints.openai.serving import _Response
+
+    class Serving:
+        tokenizer, model_name = None, "m"
+
+    async def outputs():
+        yield 0, RequestOutput("r", None, [1, 2], [CompletionOutput(0, "ab", [5, 6])], False)
+        raise EngineDeadError("the engine stopped: boom")
+
+    async def collect():
+        options = Options(model=None, stream=True, include_usage=True, logprobs=None, cache_salt=None)
+        response = _Response(Serving(), "cmpl-1", False, 1, [[1, 2]], False, options, token_ids_as_tokens=False)
+        return [line async for line in response.events(outputs())]
+
+    lines = asyncio.run(collect())
+    assert [json.loads(line[6:])["choices"][0]["text"] for line in lines[:1]] == ["ab"]
+    assert json.loads(lines[1][6:]) == {"error": {"message": "the engine stopped: boom", "type": "InternalServerError",
+                                                  "param": None, "code": 500}}
+    assert lines[2:] == ["data: [DONE]\n\n"]
