@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from safetensors import safe_open
 
-from models.llama import Llama, LlamaConfig
+from models.llama import ARCHITECTURES, Llama, LlamaConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "tokenizer.model", "chat_template.jinja")
@@ -53,11 +53,15 @@ def llama_hf_tensors(c: LlamaConfig) -> dict[str, HFTensor]:
                  "mlp.gate_proj.weight": ("w_gate", (f, d), True),
                  "mlp.up_proj.weight": ("w_up", (f, d), True),
                  "mlp.down_proj.weight": ("w_down", (d, f), True)}
-    if c.attention_bias:
+    if c.qkv_bias:
         per_layer.update({"self_attn.q_proj.bias": ("bq", (q,), False),
                           "self_attn.k_proj.bias": ("bk", (kv,), False),
-                          "self_attn.v_proj.bias": ("bv", (kv,), False),
-                          "self_attn.o_proj.bias": ("bo", (d,), False)})
+                          "self_attn.v_proj.bias": ("bv", (kv,), False)})
+    if c.attention_bias:
+        per_layer["self_attn.o_proj.bias"] = ("bo", (d,), False)
+    if c.qk_norm:
+        per_layer.update({"self_attn.q_norm.weight": ("q_norm", (c.head_dim,), False),
+                          "self_attn.k_norm.weight": ("k_norm", (c.head_dim,), False)})
     for i in range(c.num_layers):
         for name, (param, shape, transpose) in per_layer.items():
             out[f"model.layers.{i}.{name}"] = HFTensor(("layers", param), i, shape, transpose)
@@ -71,7 +75,7 @@ class ModelSpec(NamedTuple):
 
 
 # config.json's model_type -> how to build and fill the model (vLLM's model registry, in small).
-MODEL_REGISTRY = {"llama": ModelSpec(LlamaConfig, Llama, llama_hf_tensors)}
+MODEL_REGISTRY = {model_type: ModelSpec(LlamaConfig, Llama, llama_hf_tensors) for model_type in ARCHITECTURES}
 # Tensors some checkpoints carry that the model recomputes (old HF Llama saved RoPE's table).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 

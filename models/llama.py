@@ -1,4 +1,5 @@
 """Llama 3 (Hugging Face `LlamaForCausalLM`'s family) in Flax NNX, reading and writing the paged KV cache.
+Qwen2 and Qwen3 are the same blocks plus q/k/v biases or per-head q/k norms (`ARCHITECTURES`).
 
 One forward serves prefill, chunked prefill and decode: a ragged batch of tokens, each layer writes
 its new K/V at `md.slot_mapping` and attends through `paged_jax.worker.attention.attend`. The KV cache is an
@@ -27,6 +28,9 @@ SUPPORTED_DTYPES = ("float32", "bfloat16")
 # Hugging Face's dtype names for what we compute in; float16 runs as bfloat16 (same bytes, JAX's
 # accelerators prefer it, and it does not overflow where float16 activations can).
 _HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "bfloat16"}
+# config.json's model_types built from these blocks -> HF architecture. What a family changes that
+# its config.json does not state (shared/notes/model-families.md) is derived from model_type below.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +49,7 @@ class LlamaConfig:
     # it is static data in the model's graphdef, a jit cache key.
     rope_scaling: Any = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # biases on q, k, v and o (HF Llama's and Qwen3's field)
     max_position_embeddings: int = 131072
     bos_token_id: int | None = 128000
     eos_token_id: Any = 128001  # int or a tuple of ints
@@ -70,16 +74,27 @@ class LlamaConfig:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.model_type not in ARCHITECTURES:
+            raise ValueError(f"unsupported model_type {self.model_type!r}: only {sorted(ARCHITECTURES)} are implemented")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
+
+    @property
+    def qkv_bias(self) -> bool:  # Qwen2 always biases q, k, v (not o)
+        return self.attention_bias or self.model_type == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:  # Qwen3: RMSNorm over head_dim on every q and k head, before RoPE
+        return self.model_type == "qwen3"
 
     @classmethod
     def from_hf_config(cls, hf: dict, *, dtype=None) -> LlamaConfig:
         """From a Hugging Face `config.json` dict (transformers 4 or 5 style)."""
         model_type = hf.get("model_type", "llama")
-        if model_type != "llama":
-            raise ValueError(f"unsupported model_type {model_type!r}: only 'llama' is implemented")
+        if hf.get("use_sliding_window"):
+            raise ValueError(f"use_sliding_window: true ({model_type}, sliding_window="
+                             f"{hf.get('sliding_window')}) is not supported yet")
         if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias", False):
             raise ValueError("unsupported Llama variant: hidden_act must be 'silu' and mlp_bias false, "
                              f"got {hf.get('hidden_act')!r}, {hf.get('mlp_bias')!r}")
@@ -102,14 +117,14 @@ class LlamaConfig:
             attention_bias=hf.get("attention_bias", False),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"),
-            dtype=dtype or _HF_DTYPES[saved])
+            dtype=dtype or _HF_DTYPES[saved], model_type=model_type)
 
     def to_hf_config(self) -> dict:
         """The transformers-4 style `config.json` (read by transformers 4 and 5, and by vLLM)."""
         eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
         scaling = None if self.rope_scaling is None else dict(self.rope_scaling)
         return {
-            "architectures": ["LlamaForCausalLM"], "model_type": self.model_type,
+            "architectures": [ARCHITECTURES[self.model_type]], "model_type": self.model_type,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
@@ -214,6 +229,8 @@ def _decoder_layer(
         v = jnp.einsum("...d,dhk->...hk", h, w["wv"])
         if "bq" in w:
             q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+        if "q_norm" in w:
+            q, k = _rms_norm(q, w["q_norm"], eps), _rms_norm(k, w["k_norm"], eps)
         out, attn_state = attention(_rope(q, cos, sin), _rope(k, cos, sin), v, attn_state)
         o = jnp.einsum("...hk,hkd->...d", out, w["wo"])
         x = x + (o + w["bo"] if "bo" in w else o)
@@ -246,17 +263,21 @@ class LlamaLayers(nnx.Module):
         self.wk = weight(d, c.num_kv_heads, c.head_dim)
         self.wv = weight(d, c.num_kv_heads, c.head_dim)
         self.wo = weight(c.num_heads, c.head_dim, d)
-        if c.attention_bias:
+        if c.qkv_bias:
             self.bq = const(0.0, c.num_heads, c.head_dim)
             self.bk = const(0.0, c.num_kv_heads, c.head_dim)
             self.bv = const(0.0, c.num_kv_heads, c.head_dim)
+        if c.attention_bias:
             self.bo = const(0.0, d)
+        if c.qk_norm:
+            self.q_norm = const(1.0, c.head_dim)
+            self.k_norm = const(1.0, c.head_dim)
         self.mlp_norm = const(1.0, d)
         self.w_gate = weight(d, f)
         self.w_up = weight(d, f)
         self.w_down = weight(f, d)
-        self.names = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down") + (
-            ("bq", "bk", "bv", "bo") if c.attention_bias else ())
+        self.names = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down") + tuple(
+            name for name in ("bq", "bk", "bv", "bo", "q_norm", "k_norm") if hasattr(self, name))
 
     def arrays(self) -> dict[str, jax.Array]:
         """The stacked weights as a plain dict: what `lax.scan` slices one layer at a time."""

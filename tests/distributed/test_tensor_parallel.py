@@ -44,16 +44,14 @@ def one_device_logits(model, tokens, positions, cache, md, rows):
     return model(tokens, positions, cache, md, rows)[0]
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_logits_and_greedy_tokens_match_one_device(tp):
-    config = tiny_config()  # 4 query heads, 2 KV heads: tp=4 replicates each KV head twice
+def assert_sharded_logits_match_one_device(config, tp):
     reference = random_model(config)
     tokens, positions, md, rows = prefill_inputs(PROMPTS[1], 16)
     want = one_device_logits(reference, tokens, positions, reference.init_cache(16, 8), md, rows)
 
     mesh = sharding.make_mesh(tp)
     model = sharding.shard_model(random_model(config), mesh)
-    assert model.config.num_kv_heads == max(2, tp)
+    assert model.config.num_kv_heads == max(config.num_kv_heads, tp)
     cache = jax.device_put(model.init_cache(16, 8), sharding.named(sharding.cache_specs(model.init_cache(16, 8)), mesh))
 
     @jax.jit
@@ -63,12 +61,24 @@ def test_logits_and_greedy_tokens_match_one_device(tp):
     got = sharded_logits(model, tokens, positions, cache, md, rows)
     assert max_rel_err(got, want) <= 1e-5
 
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_logits_and_greedy_tokens_match_one_device(tp):
+    config = tiny_config()  # 4 query heads, 2 KV heads: tp=4 replicates each KV head twice
+    assert_sharded_logits_match_one_device(config, tp)
+
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     single = LLM(random_model(config), block_size=8, num_blocks=32, max_num_seqs=4, log_stats=False)
     split = LLM(random_model(config), block_size=8, num_blocks=32, max_num_seqs=4, log_stats=False,
                 tensor_parallel_size=tp)
     assert ([o.outputs[0].token_ids for o in split.generate(PROMPTS, greedy)]
             == [o.outputs[0].token_ids for o in single.generate(PROMPTS, greedy)])
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_qwen_biases_and_qk_norms_shard(model_type):
+    """tp=4 over 2 KV heads: Qwen2's k/v biases are replicated with their heads, Qwen3's norms whole."""
+    assert_sharded_logits_match_one_device(tiny_config(model_type=model_type), 4)
 
 
 def test_params_and_pages_are_sharded_megatron_style():

@@ -8,14 +8,15 @@ from models.llama import LlamaConfig
 
 @pytest.fixture
 def save_hf(tmp_path):
-    """Factory: a random transformers `LlamaForCausalLM` of our config saved with `save_pretrained`
-    -> (directory, the torch model in f32)."""
+    """Factory: a random transformers model of our config (`LlamaForCausalLM`, `Qwen2ForCausalLM`,
+    ... by its model_type) saved with `save_pretrained` -> (directory, the torch model in f32)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
 
     def build(config: LlamaConfig, name="hf", *, seed=0, torch_dtype=None, max_shard_size=None):
         torch.manual_seed(seed)
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config.to_hf_config())).eval()
+        hf = config.to_hf_config()
+        model = getattr(transformers, hf["architectures"][0])(transformers.AutoConfig.for_model(**hf)).eval()
         with torch.no_grad():
             for pname, p in model.named_parameters():
                 z = torch.randn(p.shape)

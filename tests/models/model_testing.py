@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.llama import Llama, LlamaConfig, preset
+from models.llama import Llama, LlamaConfig, forward, preset
+from paged_jax.worker.attention import AttentionMetadata
 
 LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                       original_max_position_embeddings=64)
@@ -52,3 +53,24 @@ def random_model(config: LlamaConfig, seed: int = 0) -> Llama:
 def dense_logits(model: Llama, tokens):  # i32[batch, seq] -> f32[batch, seq, vocab]
     """`Llama.dense_logits` compiled: eager op-by-op dispatch would dominate the tests' run time."""
     return model.dense_logits(tokens)
+
+
+def hf_logits(model, tokens):  # a transformers model's f32[seq, vocab] for one prompt
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor(tokens)[None]).logits[0].numpy()
+
+
+def paged_prefill_logits(model, tokens):
+    """The whole prompt (up to 28 tokens) in one ragged step through the paged cache, blocks out of order."""
+    n, block_size = len(tokens), 4
+    table = np.array([7, 2, 9, 4, 1, 8, 3], np.int32)  # a 24-token prompt uses 6 blocks, then padding
+    pos = np.arange(n)
+    md = AttentionMetadata(
+        slot_mapping=jnp.asarray(table[pos // block_size] * block_size + pos % block_size, jnp.int32),
+        block_tables=jnp.asarray(table[None]), seq_lens=jnp.array([n], jnp.int32),
+        query_start_loc=jnp.array([0, n], jnp.int32))
+    logits, _ = forward(*nnx.split(model), jnp.asarray(tokens, jnp.int32), jnp.asarray(pos, jnp.int32),
+                        model.init_cache(10, block_size), md, jnp.arange(n, dtype=jnp.int32))
+    return np.asarray(logits)

@@ -2,12 +2,11 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from model_testing import LLAMA3_SCALING, dense_logits, max_rel_err, tiny_config
+from model_testing import (LLAMA3_SCALING, dense_logits, hf_logits, max_rel_err, paged_prefill_logits,
+                           tiny_config)
 from models.checkpoint import load_model
-from models.llama import forward, rope_inv_freq
-from paged_jax.worker.attention import AttentionMetadata
+from models.llama import rope_inv_freq
 
 torch = pytest.importorskip("torch")
 
@@ -20,25 +19,6 @@ CASES = {
     "sharded": dict(config=dict(num_layers=3), save=dict(max_shard_size="20KB")),
     "bf16_checkpoint": dict(config=dict(rope_scaling=LLAMA3_SCALING), save=dict(torch_dtype=torch.bfloat16)),
 }
-
-
-def hf_logits(model, tokens):
-    with torch.no_grad():
-        return model(torch.tensor(tokens)[None]).logits[0].numpy()
-
-
-def paged_prefill_logits(model, tokens):
-    """The whole prompt in one ragged step through the paged cache, blocks out of order."""
-    n, block_size = len(tokens), 4
-    table = np.array([7, 2, 9, 4, 1, 8, 3], np.int32)  # ceil(24 / 4) = 6 blocks used, then padding
-    pos = np.arange(n)
-    md = AttentionMetadata(
-        slot_mapping=jnp.asarray(table[pos // block_size] * block_size + pos % block_size, jnp.int32),
-        block_tables=jnp.asarray(table[None]), seq_lens=jnp.array([n], jnp.int32),
-        query_start_loc=jnp.array([0, n], jnp.int32))
-    logits, _ = forward(*nnx.split(model), jnp.asarray(tokens, jnp.int32), jnp.asarray(pos, jnp.int32),
-                        model.init_cache(10, block_size), md, jnp.arange(n, dtype=jnp.int32))
-    return np.asarray(logits)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
