@@ -74,9 +74,19 @@ def load(args):
     return model, tokenizer
 
 
-def stream(llm, prompts, params):
-    """Print each completion as its tokens arrive; requests run batched, shown one after another."""
-    for i, prompt in enumerate(prompts):
+def chat_inputs(tokenizer, prompts) -> list[list[int]]:
+    """Each prompt as one user turn, rendered by the checkpoint's chat template (as transformers
+    renders it) with the assistant's turn opened."""
+    if tokenizer.chat_template is None:
+        raise ValueError("--chat: the model has no chat template (no chat_template.jinja and none in "
+                         "tokenizer_config.json)")
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True) for p in prompts]
+
+
+def stream(llm, prompts, inputs, params):
+    """Print each completion as its tokens arrive; requests run batched, shown one after another.
+    `inputs`: what the engine is given for each prompt (the chat-templated ids with --chat)."""
+    for i, prompt in enumerate(inputs):
         llm.engine.add_request(str(i), prompt, params)
     order = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
     texts, finished, errors = dict.fromkeys(order, ""), set(), {}
@@ -119,6 +129,8 @@ def main(argv=None):
                         help=f"default: {'sized by the engine' if default is None else default}")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: the checkpoint's")
     ap.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    ap.add_argument("--chat", action="store_true",
+                    help="send each prompt as a user message through the model's chat template")
     ap.add_argument("--compilation-cache-dir", metavar="DIR",
                     help=f"jax's persistent compilation cache (default: {compilation_cache.default_cache_dir()})")
     ap.add_argument("--no-compilation-cache", action="store_true", help="compile everything afresh, cache nothing")
@@ -130,17 +142,19 @@ def main(argv=None):
         params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_tokens=args.max_tokens)
         model, tokenizer = load(args)
+        inputs = chat_inputs(tokenizer, prompts) if args.chat else prompts
         llm = LLM(model, tokenizer=tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
                   max_num_seqs=args.max_num_seqs, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, ImportError) as e:  # ImportError: --chat without jinja2
+
         fail(str(e))
 
     start = time.perf_counter()
     with compile_timer() as compile_s:
         if args.stream:
-            stream(llm, prompts, params)
+            stream(llm, prompts, inputs, params)
         else:
-            outputs = llm.generate(prompts, params, use_tqdm=len(prompts) >= TQDM_FROM)
+            outputs = llm.generate(inputs, params, use_tqdm=len(prompts) >= TQDM_FROM)
             for i, out in enumerate(outputs):
                 for c in out.outputs:
                     print(header(i, c.index, len(prompts), args.n) + prompts[i] + c.text)

@@ -3,6 +3,7 @@ another directory), a second start loading its programs from the compilation cac
 against batch output, and the one-line error for a bad --model."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import jax
 import pytest
 
+from paged_jax import LLM, SamplingParams
 from scripts import generate
 
 SCRIPT = Path(generate.__file__)
@@ -113,3 +115,25 @@ def test_model_without_weights_is_one_line_and_exit_2(tmp_path, capsys):
     expected = (f"generate.py: error: cannot load --model {model}: CheckpointError: {model}: neither an HF "
                 "checkpoint (model.safetensors or model.safetensors.index.json) nor an Orbax one (state/)")
     assert captured.err.splitlines() == [expected]
+
+
+def test_chat_sends_each_prompt_through_the_chat_template(tmp_path, capsys):
+    model = tmp_path / "chat-model"
+    shutil.copytree(generate.DEFAULT_MODEL, model)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    generate.main(["--model", str(model), "--chat", "--prompt", "def add(a, b):", "--max-tokens", "10",
+                   "--temperature", "0", "--no-compilation-cache"])
+    printed = capsys.readouterr().out
+    llm = LLM(str(model), log_stats=False)
+    ids = llm.get_tokenizer().encode("<|im_start|>user\ndef add(a, b):<|im_end|>\n<|im_start|>assistant\n",
+                                     add_special_tokens=False)
+    want = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=10))[0].outputs[0].text
+    assert printed.startswith("\n=== prompt 1/1 ===\ndef add(a, b):" + want + "\n")
+    with pytest.raises(SystemExit) as exit_info:  # the embedded model itself has no template
+        generate.main(["--chat", "--prompt", "hi", "--no-compilation-cache"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "generate.py: error: --chat: the model has no chat template (no chat_template.jinja and none in "
+        "tokenizer_config.json)"]
