@@ -30,7 +30,8 @@ SUPPORTED_DTYPES = ("float32", "bfloat16")
 _HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "bfloat16"}
 # config.json's model_types built from these blocks -> HF architecture. What a family changes that
 # its config.json does not state (shared/notes/model-families.md) is derived from model_type below.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +93,9 @@ class LlamaConfig:
     def from_hf_config(cls, hf: dict, *, dtype=None) -> LlamaConfig:
         """From a Hugging Face `config.json` dict (transformers 4 or 5 style)."""
         model_type = hf.get("model_type", "llama")
+        if model_type == "mistral" and hf.get("sliding_window") is not None:  # v0.1; v0.2 and v0.3 have none
+            raise ValueError(f"sliding_window={hf['sliding_window']} (mistral) is not supported yet; "
+                             "Mistral configs with sliding_window null load")
         if hf.get("use_sliding_window"):
             raise ValueError(f"use_sliding_window: true ({model_type}, sliding_window="
                              f"{hf.get('sliding_window')}) is not supported yet")
@@ -133,6 +137,7 @@ class LlamaConfig:
             "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias,
             "mlp_bias": False, "max_position_embeddings": self.max_position_embeddings,
             "bos_token_id": self.bos_token_id, "eos_token_id": eos, "torch_dtype": self.dtype,
+            "sliding_window": None,  # explicit: MistralConfig's default is 4096, and no window is built here
         }
 
 

@@ -229,7 +229,7 @@ def test_reads_transformers_5_rope_parameters():
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("model_type", "mistral", "unsupported model_type 'mistral'"),
+    ("model_type", "gemma2", "unsupported model_type 'gemma2'"),
     ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "unsupported rope_scaling type 'yarn'"),
     ("rope_scaling", {"type": "linear", "factor": 2.0}, "unsupported rope_scaling type 'linear'"),
 ])

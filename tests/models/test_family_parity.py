@@ -1,5 +1,5 @@
-"""Qwen2 and Qwen3 through `LLM(dir)` against transformers' own `Qwen2ForCausalLM` / `Qwen3ForCausalLM`
-on checkpoints they saved: logits to f32 tolerance, greedy tokens exactly, with and without prefix
+"""Qwen2, Qwen3 and Mistral through `LLM(dir)` against transformers' own `Qwen2ForCausalLM`,
+`Qwen3ForCausalLM` and `MistralForCausalLM` on checkpoints they saved: logits to f32 tolerance, greedy tokens exactly, with and without prefix
 caching and preemption."""
 import json
 
@@ -20,6 +20,8 @@ FAMILIES = {
     # q/k norms over an explicit head_dim that is not hidden / heads (64 / 4).
     "qwen3": dict(model_type="qwen3", head_dim=32),
     "qwen3_attention_bias": dict(model_type="qwen3", attention_bias=True),
+    # Mistral v0.2 / v0.3: Llama's blocks with sliding_window null (to_hf_config writes it).
+    "mistral": dict(model_type="mistral", rope_theta=1e6),
 }
 NEW_TOKENS = 32
 rng = np.random.default_rng(0)
@@ -53,7 +55,7 @@ def test_logits_match_transformers(save_hf, family):
     assert max_rel_err(paged_prefill_logits(model, PROMPTS[0]), expected) <= 1e-4
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
 def test_greedy_tokens_match_transformers(save_hf, family):
     directory, hf_model = save_hf(family_config(family))
     expected = hf_greedy(hf_model, PROMPTS)
@@ -72,4 +74,12 @@ def test_sliding_window_is_refused(save_hf):
     config_file = directory / "config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "use_sliding_window": True}))
     with pytest.raises(ValueError, match="use_sliding_window: true .* is not supported yet"):
+        LLM(str(directory), num_blocks=16, log_stats=False)
+
+
+def test_a_mistral_sliding_window_is_refused(save_hf):
+    directory, _ = save_hf(family_config("mistral"))
+    config_file = directory / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "sliding_window": 4096}))
+    with pytest.raises(ValueError, match=r"sliding_window=4096 \(mistral\) is not supported yet"):
         LLM(str(directory), num_blocks=16, log_stats=False)
