@@ -28,17 +28,20 @@ MAX_REQUEST_BYTES = 4 << 20  # a body past this is refused, and never held in me
 DRAIN_BYTES = 64 << 20
 
 
+async def _disconnected(receive) -> None:
+    """Return once the ASGI client has gone (the request body is already read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 class _EventStream(StreamingResponse):
     """An SSE response that notices a client gone while it waits for the engine (starlette's own
     notices only on the next write, under ASGI 2.4): streaming and listening race, and the loser is
     cancelled, which closes the output stream and so aborts the request."""
 
     async def __call__(self, scope, receive, send):
-        async def listen():
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        stream, listener = asyncio.ensure_future(self.stream_response(send)), asyncio.ensure_future(listen())
+        stream = asyncio.ensure_future(self.stream_response(send))
+        listener = asyncio.ensure_future(_disconnected(receive))
         try:
             await asyncio.wait({stream, listener}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -52,11 +55,7 @@ class _EventStream(StreamingResponse):
 
 async def _unless_disconnected(request: Request, work):
     """Await `work`; if the client goes first, cancel it (which aborts its requests) -> None."""
-    async def listen():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task, listener = asyncio.ensure_future(work), asyncio.ensure_future(listen())
+    task, listener = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(request.receive))
     try:
         await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
     finally:

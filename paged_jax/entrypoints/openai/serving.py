@@ -35,11 +35,11 @@ class Serving:
     def check_fits(self, ids: list[int], max_tokens: int | None, params) -> None:
         """vLLM's 400 for a prompt that leaves no room for what was asked, and the engine's own
         reasons it could never serve the request (n above max_num_seqs, more blocks than the pool)."""
-        limit = self.engine.config.max_model_len
-        if len(ids) + (max_tokens or 1) > limit:
+        limit, wanted = self.engine.config.max_model_len, max_tokens or 1
+        if len(ids) + wanted > limit:
             raise APIError(f"This model's maximum context length is {limit} tokens. However, you requested "
-                           f"{len(ids) + (max_tokens or 1)} tokens ({len(ids)} in the prompt, "
-                           f"{max_tokens or 1} in the completion).", param="max_tokens" if max_tokens else "prompt")
+                           f"{len(ids) + wanted} tokens ({len(ids)} in the prompt, {wanted} in the "
+                           "completion).", param="max_tokens" if max_tokens else "prompt")
         reason = self.engine.unservable(ids, params)
         if reason is not None:
             raise APIError(reason, param="n" if reason.startswith("n=") else None)
