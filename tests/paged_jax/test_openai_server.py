@@ -119,6 +119,23 @@ def test_greedy_completion_is_llm_generate_and_usage_is_exact(client, reference)
         len(want.prompt_token_ids), 24, len(want.prompt_token_ids) + 24)
 
 
+def test_sampling_fields_reach_the_engine(client, reference):
+    """top_k, min_p, the penalties, seed, stop, min_tokens and include_stop_str_in_output, as
+    vLLM's extras: the server's text is LLM.generate's with the same SamplingParams."""
+    fields = dict(temperature=0.8, seed=11, top_k=8, min_p=0.05, repetition_penalty=1.3,
+                  frequency_penalty=0.5, presence_penalty=0.2, min_tokens=2, max_tokens=40)
+    free = reference.generate([PROMPT], SamplingParams(**fields))[0].outputs[0].text
+    stop = free[len(free) // 2: len(free) // 2 + 3]
+    want = reference.generate([PROMPT], SamplingParams(**fields, stop=[stop], include_stop_str_in_output=True))
+    got = client.completions.create(model="embedded", prompt=PROMPT, stop=[stop], **{
+        k: v for k, v in fields.items() if k in ("temperature", "seed", "frequency_penalty", "presence_penalty",
+                                                 "max_tokens")},
+        extra_body={k: fields[k] for k in ("top_k", "min_p", "repetition_penalty", "min_tokens")}
+        | {"include_stop_str_in_output": True})
+    assert got.choices[0].text == want[0].outputs[0].text and got.choices[0].text.endswith(stop)
+    assert (got.choices[0].finish_reason, got.choices[0].stop_reason) == ("stop", stop)
+
+
 def test_streamed_chunks_join_to_the_unstreamed_text(client):
     kwargs = dict(model="embedded", prompt=PROMPT, max_tokens=32, temperature=0.9, seed=7)
     whole = client.completions.create(**kwargs)
