@@ -187,9 +187,28 @@ def free(pool: BlockPool, seq_mask) -> BlockPool:
 
 @jax.jit
 def _free(pool: BlockPool, seq_mask):
-    nb = _cdiv(pool.seq_lens, pool.block_size)
+    pool = _release(pool, jnp.where(seq_mask, _cdiv(pool.seq_lens, pool.block_size), 0))
+    return dataclasses.replace(pool, seq_lens=jnp.where(seq_mask, 0, pool.seq_lens))
+
+
+def remove_skipped(pool: BlockPool, num_skipped) -> BlockPool:
+    """Sliding window (vLLM's `remove_skipped_blocks`): entries [0, num_skipped) of each slot
+    (i32[max_seqs]), which no query of that sequence will read again, become the null block and
+    release their blocks as `free` does; lengths stay, so positions keep their table entries.
+    Entries already skipped (null) are left alone."""
+    skipped = _concrete(num_skipped)
+    if skipped is not None:
+        _check_shape("num_skipped", skipped, (pool.max_seqs,))
+        _check_range("num_skipped", skipped, 0, pool.max_blocks_per_seq)
+    return _release(pool, jnp.asarray(num_skipped, jnp.int32))
+
+
+@jax.jit
+def _release(pool: BlockPool, upto):
+    """Release entries [0, upto) of every slot (i32[max_seqs]) and unmap them."""
     pos = jnp.arange(pool.max_blocks_per_seq)[None, :]
-    released = seq_mask[:, None] & (pos < nb[:, None])  # bool[max_seqs, max_blocks_per_seq]
+    leaving = pos < upto[:, None]  # bool[max_seqs, max_blocks_per_seq]
+    released = leaving & (pool.block_tables != NULL_BLOCK)
     # Processing order: slot by slot, within a slot tail first.
     order = jnp.arange(released.size).reshape(released.shape[0], -1)[:, ::-1]
     blocks = jnp.where(released, pool.block_tables, pool.num_blocks)  # out of range: dropped
@@ -212,8 +231,7 @@ def _free(pool: BlockPool, seq_mask):
     dest = jnp.where(returns, jnp.where(hashed, where_h, where_u) % pool.num_blocks, pool.num_blocks)
     return dataclasses.replace(
         pool,
-        block_tables=jnp.where(seq_mask[:, None], NULL_BLOCK, pool.block_tables),
-        seq_lens=jnp.where(seq_mask, 0, pool.seq_lens),
+        block_tables=jnp.where(leaving, NULL_BLOCK, pool.block_tables),
         ref_cnt=ref_cnt,
         queue=pool.queue.at[dest].set(pool.block_tables, mode="drop"),
         head=(pool.head - num_u) % pool.num_blocks,
@@ -351,14 +369,14 @@ def _mark_cached(pool: BlockPool, block_ids, n):
 
 def slot_mapping(pool: BlockPool, seq_ids, positions):
     """KV slot (block_id * block_size + offset) of each token -> i32[...]; -1 where the sequence id
-    or the position is negative (padding) or the position is not mapped."""
+    or the position is negative (padding), or the position is not mapped or was skipped."""
     seq_ids = jnp.asarray(seq_ids, jnp.int32)
     positions = jnp.asarray(positions, jnp.int32)
     seq = jnp.clip(seq_ids, 0, pool.max_seqs - 1)
     idx = jnp.clip(positions // pool.block_size, 0, pool.max_blocks_per_seq - 1)
     slot = pool.block_tables[seq, idx] * pool.block_size + positions % pool.block_size
     valid = (seq_ids >= 0) & (positions >= 0) & (positions < pool.seq_lens[seq])
-    return jnp.where(valid, slot, -1)
+    return jnp.where(valid & (pool.block_tables[seq, idx] != NULL_BLOCK), slot, -1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,13 +389,15 @@ def check_invariants(pool: BlockPool) -> None:
     nb = -(-lens // pool.block_size)
     assert np.all((lens >= 0) & (nb <= pool.max_blocks_per_seq)), f"seq_lens out of range: {lens}"
     mapped = np.arange(pool.max_blocks_per_seq)[None, :] < nb[:, None]
-    assert np.all((tables[mapped] > 0) & (tables[mapped] < pool.num_blocks)), \
-        "a mapped table entry is the null block or out of range"
+    skipped = mapped & (tables == NULL_BLOCK)  # sliding window: out-of-window entries, leading only
+    assert not np.any(skipped[:, 1:] & ~skipped[:, :-1]), "a null entry follows a mapped block"
+    held = mapped & ~skipped
+    assert np.all(tables[held] < pool.num_blocks), "a mapped table entry is out of range"
     assert np.all(tables[~mapped] == NULL_BLOCK), "an unmapped table entry is not the null block"
     for s in np.flatnonzero(nb):
-        row = tables[s, : nb[s]]
+        row = tables[s, : nb[s]][held[s, : nb[s]]]
         assert len(set(row.tolist())) == len(row), f"slot {s} maps a block twice: {row}"
-    counts = np.bincount(tables[mapped], minlength=pool.num_blocks)
+    counts = np.bincount(tables[held], minlength=pool.num_blocks)
     assert ref[NULL_BLOCK] == 0, f"the null block has ref count {ref[NULL_BLOCK]}"
     bad = np.flatnonzero(counts != ref)
     assert bad.size == 0, (f"ref counts differ from table references at blocks {bad[:8]}: "

@@ -19,6 +19,7 @@ class PoolMirror:
         self.block_size = block_size
         self.tables = np.zeros((max_seqs, max_blocks_per_seq), np.int32)
         self.lens = np.zeros(max_seqs, np.int32)
+        self.skipped = np.zeros(max_seqs, np.int32)  # leading entries unmapped by a sliding window
         self.ref = np.zeros(num_blocks, np.int32)
         self.version = np.zeros(num_blocks, np.int32)  # as last seen; the device bumps it on hand-out
         self.num_free = num_blocks - 1
@@ -27,7 +28,9 @@ class PoolMirror:
         return -(-int(self.lens[slot]) // self.block_size)
 
     def slot_blocks(self, slot: int) -> np.ndarray:
-        return self.tables[slot, : self.num_blocks_of(slot)]
+        """The blocks `slot` holds (its skipped, null entries left out)."""
+        row = self.tables[slot, : self.num_blocks_of(slot)]
+        return row[row > 0]
 
     def blocks_freed_by(self, slot: int) -> int:
         """Blocks that would return to the free queue if `slot` were released now."""
@@ -38,8 +41,20 @@ class PoolMirror:
         blocks = self.slot_blocks(slot)
         np.subtract.at(self.ref, blocks, 1)
         self.num_free += int(np.sum(self.ref[blocks] == 0))
-        self.tables[slot, : len(blocks)] = 0
-        self.lens[slot] = 0
+        self.tables[slot, : self.num_blocks_of(slot)] = 0
+        self.lens[slot] = self.skipped[slot] = 0
+
+    def remove_skipped(self, slot: int, num_skipped: int) -> int:
+        """Entries [0, num_skipped) of `slot` fell out of the sliding window (the device unmaps them
+        before the next call) -> the blocks that returned to the free queue."""
+        row = self.tables[slot, :num_skipped]
+        blocks = row[row > 0]
+        np.subtract.at(self.ref, blocks, 1)
+        freed = int(np.sum(self.ref[blocks] == 0))
+        self.num_free += freed
+        row[:] = 0
+        self.skipped[slot] = num_skipped
+        return freed
 
     def apply(self, delta: PoolDelta) -> list[int]:
         """Take a device call's changes -> the blocks it handed out again (their old prefix-cache

@@ -29,6 +29,7 @@ class Plan:
     preempted: list[Sequence] = dataclasses.field(default_factory=list)
     free_slots: list[int] = dataclasses.field(default_factory=list)
     marks: list[int] = dataclasses.field(default_factory=list)
+    skips: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (slot, entries out of the window)
     free_blocks: int = 0  # the most blocks any freed slot held (the device's table width for the frees)
     num_waiting: int = 0  # requests still waiting after this plan (the decode loop leaves early for them)
 
@@ -41,12 +42,15 @@ class Plan:
 
 class Scheduler:
     def __init__(self, *, max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
-                 max_blocks_per_seq, long_prefill_token_threshold=0, prefix_cache=None):
+                 max_blocks_per_seq, long_prefill_token_threshold=0, prefix_cache=None, sliding_window=None):
+        """`sliding_window`: every layer's attention window (tokens), or None; with one, blocks that
+        fall out of a sequence's window go back to the pool."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.sliding_window = sliding_window
         self.prefix_cache = prefix_cache or PrefixCache(enabled=False)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -109,6 +113,7 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
+            free += self._remove_skipped_blocks(seq, plan)
             n = self._chunk(seq.num_tokens - seq.num_computed, budget)
             if n == 0:
                 i += 1
@@ -181,6 +186,19 @@ class Scheduler:
         self.pending_marks, self.pending_free, self.pending_free_blocks = [], [], 0
         return plan
 
+    def _remove_skipped_blocks(self, seq: Sequence, plan: Plan) -> int:
+        """vLLM's SlidingWindowManager.remove_skipped_blocks: the next token (position num_computed)
+        and every later one attend to positions > num_computed - window, so the blocks wholly before
+        that go back to the pool (the table entry becomes the null block) -> blocks freed. A long
+        generation then holds about window / block_size + 1 blocks, not its whole length."""
+        if self.sliding_window is None:
+            return 0
+        skipped = max(0, seq.num_computed - self.sliding_window + 1) // self.block_size
+        if skipped <= self.pool.skipped[seq.slot]:
+            return 0
+        plan.skips.append((seq.slot, skipped))
+        return self.pool.remove_skipped(seq.slot, skipped)
+
     def _chunk(self, n, budget):
         if self.long_prefill_token_threshold > 0:
             n = min(n, self.long_prefill_token_threshold)
@@ -240,6 +258,6 @@ class Scheduler:
         full = min(seq.num_computed, seq.num_tokens) // self.block_size
         for i in range(seq.num_cached_blocks, full):
             block = int(self.pool.tables[seq.slot, i])
-            if self.prefix_cache.insert(seq.block_hashes[i], block, int(self.pool.version[block])):
+            if block > 0 and self.prefix_cache.insert(seq.block_hashes[i], block, int(self.pool.version[block])):
                 self.pending_marks.append(block)
         seq.num_cached_blocks = max(seq.num_cached_blocks, full)

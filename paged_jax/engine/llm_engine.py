@@ -61,7 +61,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             block_size=c.block_size, num_blocks=c.num_blocks, max_blocks_per_seq=c.max_blocks_per_seq,
-            long_prefill_token_threshold=c.long_prefill_token_threshold, prefix_cache=self.prefix_cache)
+            long_prefill_token_threshold=c.long_prefill_token_threshold, prefix_cache=self.prefix_cache,
+            sliding_window=getattr(model.config, "kv_window", None))
         self.requests: dict[str, Request] = {}
         self._finished_outside_step: set[str] = set()  # rejected or aborted: reported by the next step
         self.seed = seed

@@ -31,10 +31,13 @@ def token_bucket(n: int, cap: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class PoolOps:
     """Pool operations the host decided since the last call, applied before it: cache marks first,
-    then frees (so a freed block that now holds an entry goes to the cached end of the queue)."""
+    then sliding-window skips and frees (so a released block that now holds an entry goes to the
+    cached end of the queue)."""
 
     mark_ids: np.ndarray  # i32[m]; blocks that now hold a prefix-cache entry, 0 pad
     free_slots: np.ndarray  # i32[f]; finished, aborted or preempted slots, -1 pad
+    skip_slots: np.ndarray  # i32[s]; slots whose leading blocks left the sliding window, -1 pad
+    num_skipped: np.ndarray  # i32[s]; entries [0, num_skipped) of each become the null block
 
 
 @jax.tree_util.register_dataclass
@@ -76,7 +79,11 @@ def pool_ops(plan: Plan, mark_cap: int) -> PoolOps:
     marks[: len(plan.marks)] = plan.marks
     free = np.full(bucket(len(plan.free_slots), 1 << 30, 8), -1, np.int32)
     free[: len(plan.free_slots)] = plan.free_slots
-    return PoolOps(mark_ids=marks, free_slots=free)
+    skip_slots = np.full(bucket(len(plan.skips), 1 << 30, 8), -1, np.int32)
+    num_skipped = np.zeros_like(skip_slots)
+    for i, (slot, n) in enumerate(plan.skips):
+        skip_slots[i], num_skipped[i] = slot, n
+    return PoolOps(mark_ids=marks, free_slots=free, skip_slots=skip_slots, num_skipped=num_skipped)
 
 
 def prefill_rows(plan: Plan) -> list[Sequence]:

@@ -89,12 +89,14 @@ class ModelRunner:
 
     def apply_pool_ops(self, plan: Plan) -> None:
         """The plan's cache marks and frees (before its step, or alone when the engine goes idle)."""
-        if plan.marks or plan.free_slots:
-            width = batching.bucket(max(plan.free_blocks, 1), self.config.max_blocks_per_seq,
-                                    batching.MIN_WIDTH_BUCKET)
+        if plan.marks or plan.free_slots or plan.skips:
+            cap = self.config.max_blocks_per_seq
+            width = batching.bucket(max(plan.free_blocks, 1), cap, batching.MIN_WIDTH_BUCKET)
+            skipped = max((n for _, n in plan.skips), default=0)
+            skip_width = skipped and batching.bucket(skipped, cap, batching.MIN_WIDTH_BUCKET)
             ops = batching.pool_ops(plan, self.config.num_blocks)
-            self.counters["bytes_to_device"] += ops.mark_ids.nbytes + ops.free_slots.nbytes
-            self.state = runner.apply_pool_ops(self.state, ops, width=width)
+            self.counters["bytes_to_device"] += sum(x.nbytes for x in jax.tree.leaves(ops))
+            self.state = runner.apply_pool_ops(self.state, ops, width=width, skip_width=skip_width)
 
     def reset_prefix_cache(self) -> None:
         self.state = runner.uncache_all(self.state)

@@ -198,10 +198,14 @@ def decode_steps(graphdef, params, state: DeviceState, batch: DecodeBatch, sp: s
                             pool_full=pool_full)
 
 
-@functools.partial(jax.jit, static_argnames=("width",), donate_argnames=("state",))
-def apply_pool_ops(state: DeviceState, ops: PoolOps, *, width: int) -> DeviceState:
-    """Cache marks, then frees of the listed slots (tables `width` wide cover them)."""
+@functools.partial(jax.jit, static_argnames=("width", "skip_width"), donate_argnames=("state",))
+def apply_pool_ops(state: DeviceState, ops: PoolOps, *, width: int, skip_width: int) -> DeviceState:
+    """Cache marks, then sliding-window skips (tables `skip_width` wide cover them; 0: none this
+    call), then frees of the listed slots (tables `width` wide cover them)."""
     pool = bp.mark_cached(state.pool, ops.mark_ids, ops.mark_ids.shape[0])
+    if skip_width:
+        view = bp.remove_skipped(bp.rows(pool, ops.skip_slots, skip_width), ops.num_skipped)
+        pool = bp.put_rows(pool, view, ops.skip_slots)
     view = bp.free(bp.rows(pool, ops.free_slots, width), ops.free_slots >= 0)
     return dataclasses.replace(state, pool=bp.put_rows(pool, view, ops.free_slots))
 

@@ -245,3 +245,35 @@ def test_share_refuses_a_block_twice_in_one_row(pool):
     pool = bp.mark_cached(pool, jnp.array([1, 2]), 2)
     pool, ok = bp.share(pool, jnp.array([1, 2]), jnp.array([[1, 1, 0], [1, 2, 0]]), jnp.array([2, 2]))
     assert np.asarray(ok).tolist() == [False, True] and row(pool, 1) == [] and row(pool, 2) == [1, 2]
+
+
+def test_remove_skipped_blocks_of_a_sliding_window(pool):
+    """vLLM's remove_skipped_blocks: leading entries become the null block, their blocks return to
+    the queue as a free would return them (uncached to the head, cached to the tail, tail first), a
+    block another slot shares only loses a reference, and the slot keeps its length."""
+    pool, _ = bp.allocate(pool, lens(pool, s0=70))  # blocks 1..5
+    pool = bp.mark_cached(pool, jnp.array([1, 2]), 2)
+    pool, ok = bp.share(pool, 1, jnp.array([1, 2, 3]), 3)  # slot 1 shares 1, 2, 3
+    assert bool(ok)
+    pool = bp.remove_skipped(pool, np.array([4, 0, 0, 0]))
+    assert np.asarray(pool.block_tables[0, :5]).tolist() == [0, 0, 0, 0, 5]
+    assert int(pool.seq_lens[0]) == 70
+    assert np.asarray(pool.ref_cnt)[1:6].tolist() == [1, 1, 1, 0, 1]
+    assert bp.free_order(pool).tolist() == [4, 6, 7, 8, 9, 10]
+    bp.check_invariants(pool)
+    # Skipping again up to the same entry changes nothing; slot 1 skipping its three frees them,
+    # uncached 3 to the head, the cached chain to the tail in tail-first order.
+    assert bp.free_order(bp.remove_skipped(pool, np.array([4, 0, 0, 0]))).tolist() == [4, 6, 7, 8, 9, 10]
+    pool = bp.remove_skipped(pool, np.array([0, 3, 0, 0]))
+    assert bp.free_order(pool).tolist() == [3, 4, 6, 7, 8, 9, 10, 2, 1]
+    assert bp.slot_mapping(pool, jnp.array([0, 0, 0]), jnp.array([3, 63, 64])).tolist() == [-1, -1, 80]
+    bp.check_invariants(pool)
+    # Growing and freeing a slot with skipped entries releases only the blocks it holds.
+    pool, ok = bp.allocate(pool, lens(pool, s0=81))
+    assert bool(ok) and np.asarray(pool.block_tables[0, :6]).tolist() == [0, 0, 0, 0, 5, 3]
+    pool = bp.free(pool, np.array([True, True, False, False]))
+    assert np.asarray(pool.ref_cnt).tolist() == [0] * 11
+    assert bp.free_order(pool).tolist() == [5, 3, 4, 6, 7, 8, 9, 10, 2, 1]
+    bp.check_invariants(pool)
+    with pytest.raises(ValueError, match="num_skipped must lie in"):
+        bp.remove_skipped(pool, np.array([11, 0, 0, 0]))
