@@ -11,6 +11,7 @@ import functools
 import itertools
 import time
 
+import jax
 import numpy as np
 
 from paged_jax.core.prefix_cache import PrefixCache
@@ -66,7 +67,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._finished_outside_step: set[str] = set()  # rejected or aborted: reported by the next step
         self.seed = seed
-        self._request_counter = itertools.count()
+        self._reset_counters()
+
+    def _reset_counters(self) -> None:
+        self._request_counter = itertools.count()  # arrival indices seed unseeded requests
         self.counters = dict(prompt_tokens=0, generation_tokens=0, prefill_tokens=0, prefill_steps=0,
                              decode_calls=0, decode_steps=0, model_steps=0, running_steps=0,
                              max_num_running=0, busy_seconds=0.0, peak_blocks_used=0)
@@ -206,6 +210,56 @@ class LLMEngine:
         k["decode_steps"] += steps if plan.is_decode else 0
         k["running_steps"] += steps * running
         k["max_num_running"] = max(k["max_num_running"], running if steps else 0)
+
+    def warm_up(self, prompt_len: int = 32) -> dict:
+        """Compile before traffic comes, as vLLM captures its CUDA graphs at start. Through the
+        engine itself: for every row bucket r up to max_num_seqs, r requests at once whose prompts
+        fill each token bucket up to r x `prompt_len` (the prefill steps, sampled and greedy alike),
+        then r greedy ones (the greedy decode loop), each running two decode calls; the pool
+        operations come with them. Programs already in the persistent compilation cache are read
+        from it. Longer sequences compile their wider tables when they first need them. The engine
+        is left as it was: every block free, no prefix-cache entry, counters at zero
+        -> {"programs": compiled, "seconds": wall clock}."""
+        c = self.config
+        if self.requests or self.scheduler.has_work:
+            raise ValueError(f"warm_up needs an idle engine; {len(self.requests)} requests are in it")
+        room = c.max_model_len - 2 * c.num_decode_steps - 1
+        if not 1 <= prompt_len <= room:
+            raise ValueError(f"prompt_len={prompt_len} must be in [1, {room}] (max_model_len="
+                             f"{c.max_model_len} leaves room for two decode calls)")
+        compiled, rng, start = [], np.random.default_rng(0), time.perf_counter()
+
+        def listen(event, duration, **kwargs):
+            if event == "/jax/core/compile/backend_compile_duration":
+                compiled.append(duration)
+
+        def run(num_requests, length, temperature):
+            params = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=2 * c.num_decode_steps + 1)
+            for i in range(num_requests):
+                prompt = rng.integers(0, self.model_config.vocab_size, length).tolist()
+                self.add_request(f"warm-up-{next(self._request_counter)}", prompt, params)
+            while self.has_unfinished_requests():
+                self.step()
+
+        rows = sorted({min(1 << i, c.max_num_seqs) for i in range(c.max_num_seqs.bit_length() + 1)})
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        try:
+            for r in rows:
+                tokens = 1 << max(4, (r - 1).bit_length())  # batching.MIN_TOKEN_BUCKET, or r rounded up
+                while True:  # every token bucket up to the one holding r x prompt_len
+                    run(r, min(tokens // r, room), 1.0)
+                    if tokens >= min(r * prompt_len, c.max_num_batched_tokens):
+                        break
+                    tokens *= 2
+                run(r, min(prompt_len, room), 0.0)
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listen)
+        self.reset_prefix_cache()
+        self.prefix_cache.queries = self.prefix_cache.hits = 0
+        self.scheduler.num_preemptions = 0
+        self.model_runner.reset_counters()
+        self._reset_counters()
+        return {"programs": len(compiled), "seconds": time.perf_counter() - start}
 
     @property
     def state(self):

@@ -38,6 +38,9 @@ class ModelRunner:
         self.state = runner.DeviceState(cache=cache, pool=self._replicate(pool),
                                         output_counts=self._replicate(empty.astype(np.int32)),
                                         prompt_mask=self._replicate(empty.astype(bool)))
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
         # From the jitted call to its fetched output (the device's share of a step, once compiled),
         # and the bytes that crossed between host and device each way.
         self.counters = dict(device_seconds=0.0, bytes_to_device=0, bytes_from_device=0,
@@ -70,7 +73,7 @@ class ModelRunner:
         sp = self._row_params(seqs, batch.slots.shape[0])
         start = time.perf_counter()
         self.state, out, ok = runner.prefill_step(self.graphdef, self.params, self.state, batch, sp,
-                                                  flags=dataclasses.replace(self._flags(seqs), forks=bool(plan.forks)))
+                                                  flags=self._prefill_flags(seqs, plan))
         out = self._fetch("", (out, ok), start, batch, sp)
         if not out[1]:
             raise RuntimeError("internal error: the device pool refused an operation the scheduler planned")
@@ -114,6 +117,12 @@ class ModelRunner:
                             filters=any(p.uses_filters for p in params),
                             penalties=any(p.uses_penalties for p in params),
                             num_logprobs=0 if logprobs == 0 else 1 << (logprobs - 1).bit_length())
+
+    def _prefill_flags(self, seqs, plan: Plan) -> runner.Flags:
+        """One prefill program per shape serves greedy and sampled batches (greedy rows still take
+        the argmax): its noise, rows x vocab once per step, is small beside the forward, and it
+        halves the prefill programs a workload (or `LLMEngine.warm_up`) compiles."""
+        return dataclasses.replace(self._flags(seqs), forks=bool(plan.forks), random=True)
 
     def _reset_penalty_rows(self, seqs):
         """Newly admitted or forked rows that use penalties start from their own tokens; the

@@ -247,6 +247,40 @@ def test_a_steady_workload_compiles_nothing_new(model):
         jax.monitoring.unregister_event_duration_listener(listen)
 
 
+def test_warm_up_compiles_what_short_requests_need_and_leaves_the_engine_clean(model):
+    compiles = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    llm = make_llm(model, max_num_seqs=6)  # shapes no other test compiled
+    with pytest.raises(ValueError, match="prompt_len=1013 must be in"):
+        llm.engine.warm_up(prompt_len=1013)
+    report = llm.engine.warm_up(prompt_len=8)
+    assert report["programs"] > 0
+    stats = llm.stats()
+    assert drained(llm) and stats["prompt_tokens"] == stats["generation_tokens"] == 0
+    assert stats["prefix_cache_queries"] == stats["num_preemptions"] == stats["prefill_steps"] == 0
+    rng = np.random.default_rng(3)
+    firsts = []
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for n in (1, 3, 6, 2, 5, 4):  # concurrency rises and falls; greedy and sampled
+            prompts = [rng.integers(0, 128, int(rng.integers(2, 9))).tolist() for _ in range(n)]
+            outs = llm.generate(prompts, [SamplingParams(temperature=0.8 * (i % 2), max_tokens=12, ignore_eos=True)
+                                          for i in range(n)], use_tqdm=False)
+            firsts.append((prompts[0], outs[0].outputs[0].token_ids))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == []
+    for prompt, tokens in firsts:  # greedy, unharmed by the warm-up
+        assert tokens == greedy_reference(model, prompt, 12)
+    llm.engine.add_request("busy", [1, 2, 3])
+    with pytest.raises(ValueError, match="warm_up needs an idle engine; 1 requests"):
+        llm.engine.warm_up()
+
+
 def test_cache_salt_keeps_tenants_apart(model):
     llm = make_llm(model)
     prompt = list(range(1, 30))  # three full blocks of 8 can be cached

@@ -6,6 +6,7 @@ key nor template. Outputs are checked against `LLM.generate` on the same model."
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -45,7 +46,8 @@ class Server:
         self.log = open(tmp / f"server-{self.port}.log", "w+")
         env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), "PAGED_JAX_API_KEY": ""}
         self.proc = subprocess.Popen([sys.executable, "-m", "paged_jax.serve", "--port", str(self.port),
-                                      "--uvicorn-log-level", "warning", "--no-compilation-cache", *args],
+                                      "--uvicorn-log-level", "warning", "--no-compilation-cache",
+                                      "--warmup-prompt-len", "0", *args],
                                      cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait(self, timeout=300):
@@ -89,7 +91,7 @@ def servers(tmp_path_factory):
     (tmp / "chat.jinja").write_text(CHATML)
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
     a = Server(tmp, "--api-key", KEY, "--chat-template", str(tmp / "chat.jinja"), *flags)
-    b = Server(tmp, "--served-model-name", "tiny")
+    b = Server(tmp, "--served-model-name", "tiny", "--max-num-seqs", "4", "--warmup-prompt-len", "8")
     try:
         yield a.wait(), b.wait()
     finally:
@@ -228,6 +230,7 @@ def test_a_model_without_a_chat_template_gets_a_clear_400(servers, reference):
     assert b.completions.create(model="tiny", prompt="hi", max_tokens=3).usage.completion_tokens == 3
     status, body = servers[1].post("/detokenize", json.dumps({"tokens": [5, 6]}).encode())
     assert status == 200 and body["prompt"] == reference.get_tokenizer().decode([5, 6])
+    assert re.search(r"warm-up compiled [1-9][0-9]* programs in", servers[1].output())
 
 
 def test_metrics_count_what_llm_stats_counts(servers, reference):

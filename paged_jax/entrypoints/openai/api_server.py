@@ -204,6 +204,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES)
     ap.add_argument("--compilation-cache-dir", metavar="DIR", help="jax's persistent compilation cache")
     ap.add_argument("--no-compilation-cache", action="store_true")
+    ap.add_argument("--warmup-prompt-len", type=int, default=32,
+                    help="compile, before serving, what up to max-num-seqs prompts of this length need "
+                         "(LLMEngine.warm_up; 0: compile on first use)")
     ap.add_argument("--uvicorn-log-level", default="info")
     return ap.parse_args(argv)
 
@@ -232,6 +235,11 @@ def main(argv=None) -> None:
             if tokenizer is None:
                 raise ValueError(f"--chat-template needs a tokenizer; {model} has no tokenizer.json")
             tokenizer.chat_template = Path(args.chat_template).read_text(encoding="utf-8")
+        if args.warmup_prompt_len:
+            c = llm.engine.config
+            done = llm.engine.warm_up(max(1, min(args.warmup_prompt_len, c.max_model_len - 2 * c.num_decode_steps - 1)))
+            print(f"paged-jax-serve: warm-up compiled {done['programs']} programs in {done['seconds']:.1f} s",
+                  flush=True)
     except (OSError, ValueError) as e:
         print(f"paged-jax-serve: error: {e}", file=sys.stderr)
         sys.exit(2)
