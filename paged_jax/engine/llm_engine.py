@@ -219,7 +219,7 @@ class LLMEngine:
         operations come with them. Programs already in the persistent compilation cache are read
         from it. Longer sequences compile their wider tables when they first need them. The engine
         is left as it was: every block free, no prefix-cache entry, counters at zero
-        -> {"programs": compiled, "seconds": wall clock}."""
+        -> {"programs": compiled or loaded, "cached": of those, loaded, "seconds": wall clock}."""
         c = self.config
         if self.requests or self.scheduler.has_work:
             raise ValueError(f"warm_up needs an idle engine; {len(self.requests)} requests are in it")
@@ -227,11 +227,10 @@ class LLMEngine:
         if not 1 <= prompt_len <= room:
             raise ValueError(f"prompt_len={prompt_len} must be in [1, {room}] (max_model_len="
                              f"{c.max_model_len} leaves room for two decode calls)")
-        compiled, rng, start = [], np.random.default_rng(0), time.perf_counter()
+        events, rng, start = [], np.random.default_rng(0), time.perf_counter()
 
         def listen(event, duration, **kwargs):
-            if event == "/jax/core/compile/backend_compile_duration":
-                compiled.append(duration)
+            events.append(event)
 
         def run(num_requests, length, temperature):
             params = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=2 * c.num_decode_steps + 1)
@@ -259,7 +258,9 @@ class LLMEngine:
         self.scheduler.num_preemptions = 0
         self.model_runner.reset_counters()
         self._reset_counters()
-        return {"programs": len(compiled), "seconds": time.perf_counter() - start}
+        return {"programs": events.count("/jax/core/compile/backend_compile_duration"),
+                "cached": events.count("/jax/compilation_cache/cache_retrieval_time_sec"),
+                "seconds": time.perf_counter() - start}
 
     @property
     def state(self):

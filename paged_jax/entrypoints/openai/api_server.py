@@ -238,8 +238,8 @@ def main(argv=None) -> None:
         if args.warmup_prompt_len:
             c = llm.engine.config
             done = llm.engine.warm_up(max(1, min(args.warmup_prompt_len, c.max_model_len - 2 * c.num_decode_steps - 1)))
-            print(f"paged-jax-serve: warm-up compiled {done['programs']} programs in {done['seconds']:.1f} s",
-                  flush=True)
+            print(f"paged-jax-serve: warm-up compiled {done['programs']} programs ({done['cached']} read from "
+                  f"the compilation cache) in {done['seconds']:.1f} s", flush=True)
     except (OSError, ValueError) as e:
         print(f"paged-jax-serve: error: {e}", file=sys.stderr)
         sys.exit(2)
