@@ -257,7 +257,7 @@ def test_warm_up_compiles_what_short_requests_need_and_leaves_the_engine_clean(m
     llm = make_llm(model, max_num_seqs=6)  # shapes no other test compiled
     with pytest.raises(ValueError, match="prompt_len=1013 must be in"):
         llm.engine.warm_up(prompt_len=1013)
-    report = llm.engine.warm_up(prompt_len=8)
+    report = llm.engine.warm_up(prompt_len=4)
     assert report["programs"] > 0
     stats = llm.stats()
     assert drained(llm) and stats["prompt_tokens"] == stats["generation_tokens"] == 0
@@ -267,7 +267,7 @@ def test_warm_up_compiles_what_short_requests_need_and_leaves_the_engine_clean(m
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
         for n in (1, 3, 6, 2, 5, 4):  # concurrency rises and falls; greedy and sampled
-            prompts = [rng.integers(0, 128, int(rng.integers(2, 9))).tolist() for _ in range(n)]
+            prompts = [rng.integers(0, 128, int(rng.integers(2, 5))).tolist() for _ in range(n)]
             outs = llm.generate(prompts, [SamplingParams(temperature=0.8 * (i % 2), max_tokens=12, ignore_eos=True)
                                           for i in range(n)], use_tqdm=False)
             firsts.append((prompts[0], outs[0].outputs[0].token_ids))
