@@ -24,6 +24,20 @@ class PoolDelta:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class PromptLogprobs:
+    """`SamplingParams.prompt_logprobs`: entry i scores prompt token `positions[i]` of batch row
+    `rows[i]` from the logits at the position before it (-1 rows: padding)."""
+
+    rows: np.ndarray  # i32[p]
+    positions: np.ndarray  # i32[p]
+    logprob: np.ndarray  # f32[p]
+    rank: np.ndarray  # i32[p]
+    top_ids: np.ndarray  # i32[p, num_prompt_logprobs]
+    top_logprobs: np.ndarray  # f32[p, num_prompt_logprobs]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class ModelOutput:
     """Row i of every array belongs to the sequence in slot `delta.slots[i]`."""
 
@@ -36,3 +50,4 @@ class ModelOutput:
     delta: PoolDelta
     steps: np.ndarray  # i32[]; model steps the call ran
     pool_full: np.ndarray  # bool[]; the decode loop stopped because the pool could not grow
+    prompt_logprobs: PromptLogprobs | None = None  # prefill steps whose batch asked for them

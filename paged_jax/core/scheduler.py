@@ -213,7 +213,11 @@ class Scheduler:
     def _prefix_hits(self, seq) -> list[tuple[int, int]]:
         """Leading cached blocks (block, version); at most (num_tokens - 1) // bs, so a fully cached
         prompt still computes its last token for logits (vLLM). Every entry is current: the map
-        drops one as soon as the device hands its block out again."""
+        drops one as soon as the device hands its block out again. A request asking for
+        prompt_logprobs reads none (it needs every prompt token's logits; vLLM V1), but its blocks
+        still enter the cache."""
+        if seq.request.params.prompt_logprobs is not None:
+            return []
         return self.prefix_cache.candidates(seq.block_hashes, (seq.num_tokens - 1) // self.block_size)
 
     def update_from_output(self, plan: Plan, output: ModelOutput) -> list[tuple[Sequence, int, int]]:

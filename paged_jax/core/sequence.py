@@ -85,6 +85,10 @@ class Request:
     error: str | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # SamplingParams.prompt_logprobs: the entries of prompt tokens 1, 2, ... scored so far (one
+    # owner: a prompt recomputed after a preemption is not scored twice); sent once in DELTA mode.
+    prompt_logprobs: list[dict] = dataclasses.field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:

@@ -170,6 +170,8 @@ class LLMEngine:
                 raise RuntimeError(f"internal error: nothing can run, request {stuck!r} waits forever")
             self._count_plan(plan)
             output = self.model_runner.execute(plan)
+            if output.prompt_logprobs is not None:
+                self.output_processor.process_prompt_logprobs(plan, output.prompt_logprobs)
             for seq, row, n in self.scheduler.update_from_output(plan, output):
                 before = seq.num_output - n
                 if self.output_processor.process(seq, output, row, n):  # a stop string ended it

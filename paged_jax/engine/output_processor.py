@@ -2,6 +2,8 @@
 sequences, incremental detokenization, stop strings, logprobs, and the `RequestOutput`s users read."""
 from __future__ import annotations
 
+import numpy as np
+
 from paged_jax.core.sequence import Request, Sequence, Status
 from paged_jax.engine.detokenizer import decode_next, find_stop
 from paged_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -27,13 +29,37 @@ class OutputProcessor:
         return True
 
     def _add_logprobs(self, seq, token, logprob, rank, top_ids, top_logprobs):
-        wanted = seq.request.params.logprobs
-        entry = {token: Logprob(float(logprob), int(rank), self._piece(token))}
-        for r, (tid, lp) in enumerate(zip(top_ids[:wanted], top_logprobs[:wanted])):
-            entry.setdefault(int(tid), Logprob(float(lp), r + 1, self._piece(int(tid))))
         if seq.logprobs is None:
             seq.logprobs = []
-        seq.logprobs.append(entry)  # in place: a copy per token would cost O(L^2) over an output
+        # In place: a copy per token would cost O(L^2) over an output.
+        seq.logprobs.append(self._entry(token, logprob, rank, top_ids, top_logprobs, seq.request.params.logprobs))
+
+    def _entry(self, token, logprob, rank, top_ids, top_logprobs, wanted) -> dict[int, Logprob]:
+        """vLLM's logprobs dict: the token's own entry, then the top `wanted` (ranks 1..wanted)."""
+        entry = {int(token): Logprob(float(logprob), int(rank), self._piece(int(token)))}
+        for r, (tid, lp) in enumerate(zip(top_ids[:wanted], top_logprobs[:wanted])):
+            entry.setdefault(int(tid), Logprob(float(lp), r + 1, self._piece(int(tid))))
+        return entry
+
+    def process_prompt_logprobs(self, plan, out) -> None:
+        """Record a prefill step's prompt-token scores (`PromptLogprobs`) on their requests."""
+        for i in np.flatnonzero(out.rows >= 0):
+            request = plan.scheduled[int(out.rows[i])][0].request
+            position = int(out.positions[i])
+            if position != len(request.prompt_logprobs) + 1:  # scored before a preemption
+                continue
+            request.prompt_logprobs.append(self._entry(
+                request.prompt_token_ids[position], out.logprob[i], out.rank[i], out.top_ids[i],
+                out.top_logprobs[i], request.params.prompt_logprobs))
+
+    @staticmethod
+    def _prompt_logprobs(request: Request, delta: bool):
+        """[None, entry, ...] once every prompt token is scored (in DELTA mode, in one output only)."""
+        complete = len(request.prompt_logprobs) == len(request.prompt_token_ids) - 1
+        if request.params.prompt_logprobs is None or not complete or (delta and request.prompt_logprobs_sent):
+            return None
+        request.prompt_logprobs_sent = True
+        return [None, *request.prompt_logprobs]
 
     def _piece(self, token):
         return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else None
@@ -104,7 +130,8 @@ class OutputProcessor:
         metrics = dict(arrival_time=request.arrival_time, first_token_time=request.first_token_time,
                        finish_time=request.finish_time)
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), completions,
-                             request.finished, request.num_cached_tokens or 0, request.error, metrics)
+                             request.finished, request.num_cached_tokens or 0, request.error, metrics,
+                             self._prompt_logprobs(request, delta))
 
     @staticmethod
     def _cumulative_logprob(seq: Sequence) -> float | None:

@@ -35,3 +35,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None  # why a request finished with finish_reason "error"
     metrics: dict | None = None  # arrival, first-token and finish times (seconds, time.monotonic)
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then one dict per token (the
+    # prompt's own token and the top N), once the whole prompt has been computed.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -33,6 +33,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
     logprobs: int | None = None  # top-N logprobs per output token, besides the sampled one
+    prompt_logprobs: int | None = None  # top-N per prompt token, besides the prompt's own
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -54,6 +55,8 @@ class SamplingParams:
             ("max_tokens", self.max_tokens, self.max_tokens is None or self.max_tokens >= 1, ">= 1"),
             ("min_tokens", self.min_tokens, self.min_tokens >= 0, ">= 0"),
             ("logprobs", self.logprobs, self.logprobs is None or self.logprobs >= 0, ">= 0"),
+            ("prompt_logprobs", self.prompt_logprobs, self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+             ">= 0"),
         )
         for name, value, ok, want in checks:
             if not ok:

@@ -60,6 +60,12 @@ class PrefillBatch:
     fork_parent: np.ndarray  # i32[B]; row of the parent a child forks from, -1 none
     num_output: np.ndarray  # i32[B]; output tokens counting the one sampled now
     total_len: np.ndarray  # i32[B]; tokens counting the one sampled now
+    # prompt_logprobs: batch token i's logits score prompt token prompt_lp_positions[i] of row
+    # prompt_lp_rows[i] (the token after it); P = 0 when no row asks.
+    prompt_lp_tokens: np.ndarray  # i32[P]; -1 pad
+    prompt_lp_targets: np.ndarray  # i32[P]
+    prompt_lp_rows: np.ndarray  # i32[P]; -1 pad
+    prompt_lp_positions: np.ndarray  # i32[P]
 
 
 @jax.tree_util.register_dataclass
@@ -120,6 +126,7 @@ def prefill_batch(plan: Plan, *, block_size: int, max_num_seqs: int, max_blocks_
         at += n
         b["query_start_loc"][i + 1] = at
     b["query_start_loc"][len(plan.scheduled) + 1:] = at
+    b.update(_prompt_logprob_entries(plan, size))
     for slot, (hits, versions) in plan.admitted.items():
         b["hits"][index[slot], : len(hits)] = hits
         b["hit_versions"][index[slot], : len(hits)] = versions
@@ -129,6 +136,29 @@ def prefill_batch(plan: Plan, *, block_size: int, max_num_seqs: int, max_blocks_
         b["fork_parent"][i], b["logits_rows"][i] = p, b["logits_rows"][p]
         b["num_output"][i], b["total_len"][i] = 1, parent.num_tokens + 1
     return PrefillBatch(**b)
+
+
+def _prompt_logprob_entries(plan: Plan, cap: int) -> dict:
+    """Which batch tokens score which prompt tokens, for the rows whose request asks for
+    prompt_logprobs: a chunk [start, end) scores prompt tokens start + 1 .. min(end, prompt) - 1
+    (the last prompt token's logits sample the first output token instead)."""
+    tokens, targets, rows, positions, at = [], [], [], [], 0
+    for i, (seq, n) in enumerate(plan.scheduled):
+        start = seq.num_computed
+        if seq.request.params.prompt_logprobs is not None and seq.index == 0:
+            for p in range(start, min(start + n, seq.num_prompt_tokens - 1)):
+                tokens.append(at + p - start)
+                targets.append(seq.token_ids[p + 1])
+                rows.append(i)
+                positions.append(p + 1)
+        at += n
+    size = bucket(len(tokens), cap, MIN_TOKEN_BUCKET) if tokens else 0
+    out = dict(prompt_lp_tokens=np.full(size, -1, np.int32), prompt_lp_targets=np.zeros(size, np.int32),
+               prompt_lp_rows=np.full(size, -1, np.int32), prompt_lp_positions=np.zeros(size, np.int32))
+    for name, values in (("prompt_lp_tokens", tokens), ("prompt_lp_targets", targets),
+                         ("prompt_lp_rows", rows), ("prompt_lp_positions", positions)):
+        out[name][: len(values)] = values
+    return out
 
 
 def decode_batch(plan: Plan, *, block_size: int, max_num_seqs: int, max_blocks_per_seq: int,

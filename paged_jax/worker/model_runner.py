@@ -73,7 +73,7 @@ class ModelRunner:
         sp = self._row_params(seqs, batch.slots.shape[0])
         start = time.perf_counter()
         self.state, out, ok = runner.prefill_step(self.graphdef, self.params, self.state, batch, sp,
-                                                  flags=self._prefill_flags(seqs, plan))
+                                                  flags=self._prefill_flags(seqs, plan, batch))
         out = self._fetch("", (out, ok), start, batch, sp)
         if not out[1]:
             raise RuntimeError("internal error: the device pool refused an operation the scheduler planned")
@@ -118,11 +118,15 @@ class ModelRunner:
                             penalties=any(p.uses_penalties for p in params),
                             num_logprobs=0 if logprobs == 0 else 1 << (logprobs - 1).bit_length())
 
-    def _prefill_flags(self, seqs, plan: Plan) -> runner.Flags:
+    def _prefill_flags(self, seqs, plan: Plan, batch: batching.PrefillBatch) -> runner.Flags:
         """One prefill program per shape serves greedy and sampled batches (greedy rows still take
         the argmax): its noise, rows x vocab once per step, is small beside the forward, and it
         halves the prefill programs a workload (or `LLMEngine.warm_up`) compiles."""
-        return dataclasses.replace(self._flags(seqs), forks=bool(plan.forks), random=True)
+        top = None
+        if batch.prompt_lp_tokens.shape[0]:  # some row scores prompt tokens this step
+            n = max(s.request.params.prompt_logprobs or 0 for s, _ in plan.scheduled)
+            top = 0 if n == 0 else 1 << (n - 1).bit_length()
+        return dataclasses.replace(self._flags(seqs), forks=bool(plan.forks), random=True, num_prompt_logprobs=top)
 
     def _reset_penalty_rows(self, seqs):
         """Newly admitted or forked rows that use penalties start from their own tokens; the
@@ -171,7 +175,8 @@ def activation_bytes(model, num_tokens: int, max_num_seqs: int, max_model_len: i
         slots=i32(num_rows), tokens=i32(num_tokens), positions=i32(num_tokens), token_row=i32(num_tokens),
         query_start_loc=i32(num_rows + 1), attn_seq_lens=i32(num_rows), new_lens=i32(num_rows),
         hits=i32(num_rows, width), hit_versions=i32(num_rows, width), num_hits=i32(num_rows),
-        logits_rows=i32(num_rows), fork_parent=i32(num_rows), num_output=i32(num_rows), total_len=i32(num_rows))
+        logits_rows=i32(num_rows), fork_parent=i32(num_rows), num_output=i32(num_rows), total_len=i32(num_rows),
+        prompt_lp_tokens=i32(0), prompt_lp_targets=i32(0), prompt_lp_rows=i32(0), prompt_lp_positions=i32(0))
     sp = batching.row_params([], num_rows, (), max_model_len)
     compiled = runner.prefill_step.lower(graphdef, params, state, batch, sp, flags=runner.Flags(backend)).compile()
     return int(compiled.memory_analysis().temp_size_in_bytes)

@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from paged_jax.core import block_pool as bp
-from paged_jax.core.model_output import ModelOutput, PoolDelta
+from paged_jax.core.model_output import ModelOutput, PoolDelta, PromptLogprobs
 from paged_jax.worker import sampler
 from paged_jax.worker.attention import AttentionMetadata, KVCache, copy_blocks
 from paged_jax.worker.batching import DecodeBatch, PoolOps, PrefillBatch
@@ -47,6 +47,7 @@ class Flags:
     num_logprobs: int = 0  # top-N logprobs returned per token
     penalties: bool = False  # some row uses presence / frequency / repetition penalties
     forks: bool = False  # some row forks from another this step
+    num_prompt_logprobs: int | None = None  # top-N per prompt token when some row asks (prefill)
     mesh: Mesh | None = None  # tensor parallelism: attention runs per shard
 
 
@@ -110,8 +111,16 @@ def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: 
                            block_tables=view.block_tables, seq_lens=batch.attn_seq_lens,
                            query_start_loc=batch.query_start_loc)
     model = nnx.merge(graphdef, params)
-    logits, cache = model(batch.tokens, batch.positions, state.cache, md, jnp.maximum(batch.logits_rows, 0),
+    wanted = jnp.maximum(batch.logits_rows, 0)
+    if flags.num_prompt_logprobs is not None:  # prompt tokens' logits too, only in steps that ask
+        wanted = jnp.concatenate([wanted, jnp.maximum(batch.prompt_lp_tokens, 0)])
+    logits, cache = model(batch.tokens, batch.positions, state.cache, md, wanted,
                           backend=flags.backend, mesh=flags.mesh)
+    prompt = None
+    if flags.num_prompt_logprobs is not None:
+        logits, prompt_logits = logits[:num_rows], logits[num_rows:]
+        prompt = PromptLogprobs(batch.prompt_lp_rows, batch.prompt_lp_positions, *sampler.token_logprobs(
+            prompt_logits, batch.prompt_lp_targets, flags.num_prompt_logprobs))
     forked = jnp.array(True)
     if flags.forks:  # copy-on-write of the partial tail blocks: only in steps that fork
         view, src, dst, forked = _fork_rows(view, batch.fork_parent)
@@ -130,7 +139,7 @@ def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: 
     out = ModelOutput(tokens=jnp.where(live, tokens, -1)[:, None], logprob=logprob[:, None], rank=rank[:, None],
                       top_ids=top_ids[:, None], top_logprobs=top_lps[:, None], finish=finish,
                       delta=_delta(pool, view, batch.slots, jnp.zeros(num_rows, jnp.int32), width),
-                      steps=jnp.int32(1), pool_full=jnp.array(False))
+                      steps=jnp.int32(1), pool_full=jnp.array(False), prompt_logprobs=prompt)
     return new, out, jnp.all(shared) & grown & forked
 
 

@@ -118,16 +118,24 @@ def sample(logits, sp: SlotParams, num_output, penalties=None, *, filters: bool,
         drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
         tokens = jnp.where(sp.temperature < SAMPLING_EPS, tokens, drawn)
 
-    chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
-    logprob = chosen - lse
-    rank = 1 + jnp.sum(raw > chosen[:, None], axis=-1, dtype=jnp.int32)
+    return (tokens, *token_logprobs(raw, tokens, num_logprobs, lse))
+
+
+def token_logprobs(logits, tokens, num_logprobs: int, lse=None):
+    """The logprob and rank of `tokens` (i32[S]) under `logits` (f32[S, V], the model's raw ones) and
+    the top `num_logprobs` (static) -> (logprob f32[S], rank i32[S], top_ids i32[S, N], top_logprobs
+    f32[S, N]). Rank 1 is the most likely; ties rank alike (vLLM)."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1) if lse is None else lse
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    rank = 1 + jnp.sum(logits > chosen[:, None], axis=-1, dtype=jnp.int32)
     if num_logprobs:
-        top_raw, top_ids = jax.lax.top_k(raw, num_logprobs)
+        top_raw, top_ids = jax.lax.top_k(logits, num_logprobs)
         top_logprobs = top_raw - lse[:, None]
     else:
         top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
-    return tokens, logprob, rank, top_ids.astype(jnp.int32), top_logprobs
+    return chosen - lse, rank, top_ids.astype(jnp.int32), top_logprobs
 
 
 def stop_check(tokens, sp: SlotParams, num_output, total_len):

@@ -143,3 +143,34 @@ def test_greedy_at_a_capacity_far_above_the_load(hf_llama):
     assert llm.stats()["num_preemptions"] > 0
     assert len(set(running)) >= 3  # concurrency rose and fell
     assert_pool_drained(llm)
+
+
+def test_prompt_logprobs_are_transformers_log_softmax_in_chunks_and_skip_the_prefix_cache(hf_llama):
+    """SamplingParams(prompt_logprobs=N): None for the first prompt token, then each token's logprob
+    and rank and the top N, against transformers' logits; computed in chunks of 6 tokens; such a
+    request reads no prefix-cache entry, even for a prompt the cache holds."""
+    path, prompts, _ = hf_llama
+    prompt = prompts[4]  # 27 tokens, the shared prefix first
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), -1).numpy()
+    llm = LLM(str(path), block_size=8, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=8,
+              long_prefill_token_threshold=6, log_stats=False)
+    llm.generate([prompt], GREEDY)  # the prompt's blocks now sit in the prefix cache
+    with pytest.raises(ValueError, match="prompt_logprobs must be >= 0, got -1"):
+        SamplingParams(prompt_logprobs=-1)
+    outs = llm.generate([prompt, prompts[0]], [SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3),
+                                              SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=0)])
+    got = outs[0].prompt_logprobs
+    assert outs[0].num_cached_tokens == 0 and got[0] is None and len(got) == len(prompt)
+    for p in range(1, len(prompt)):
+        row, entry = want[p - 1], got[p]
+        top3 = np.argsort(-row)[:3].tolist()
+        assert list(entry)[0] == prompt[p] and set(entry) == {prompt[p], *top3}
+        assert entry[prompt[p]].rank == 1 + int(np.sum(row > row[prompt[p]]))
+        for token, lp in entry.items():
+            assert abs(lp.logprob - row[token]) < 1e-4
+        assert [entry[t].rank for t in top3] == [1, 2, 3]
+    assert [list(e) for e in outs[1].prompt_logprobs[1:]] == [[t] for t in prompts[0][1:]]
+    assert outs[1].prompt_logprobs[0] is None
+    assert_pool_drained(llm)
