@@ -1,5 +1,6 @@
 """Llama 3 (Hugging Face `LlamaForCausalLM`'s family) in Flax NNX, reading and writing the paged KV cache.
-Qwen2 and Qwen3 are the same blocks plus q/k/v biases or per-head q/k norms (`ARCHITECTURES`).
+Qwen2 and Qwen3 are the same blocks plus q/k/v biases or per-head q/k norms, Mistral plus a sliding
+window (`ARCHITECTURES`).
 
 One forward serves prefill, chunked prefill and decode: a ragged batch of tokens, each layer writes
 its new K/V at `md.slot_mapping` and attends through `paged_jax.worker.attention.attend`. The KV cache is an
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.layers import causal_attention, gated_mlp, rms_norm, scan_layers, self_attention
 from paged_jax.worker.attention import AttentionMetadata, KVCache, attend
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")
@@ -56,6 +58,8 @@ class LlamaConfig:
     eos_token_id: Any = 128001  # int or a tuple of ints
     dtype: str = "float32"  # params and activations; norms and softmax accumulate in f32
     model_type: str = "llama"
+    # Mistral's: a query at position p sees keys at (p - sliding_window, p] in every layer; None: all.
+    sliding_window: int | None = None
 
     def __post_init__(self):
         if self.rope_scaling is not None:
@@ -80,6 +84,15 @@ class LlamaConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
+        if self.sliding_window is not None and (
+                isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int)
+                or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
+        # HF's Llama and Qwen classes ignore a sliding_window (Qwen2's use_sliding_window is refused
+        # on load): only Mistral's would round-trip through to_hf_config.
+        if self.sliding_window is not None and self.model_type != "mistral":
+            raise ValueError(f"sliding_window={self.sliding_window} is for model_type 'mistral' only, "
+                             f"got {self.model_type!r}")
 
     @property
     def qkv_bias(self) -> bool:  # Qwen2 always biases q, k, v (not o)
@@ -89,13 +102,27 @@ class LlamaConfig:
     def qk_norm(self) -> bool:  # Qwen3: RMSNorm over head_dim on every q and k head, before RoPE
         return self.model_type == "qwen3"
 
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: it attends to the whole sequence)."""
+        return (self.sliding_window,) * self.num_layers
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window every layer shares, or None when any layer attends globally. A query at
+        position p reads keys at (p - kv_window, p] only, so once a sequence's next query is at p,
+        blocks wholly at or before p - kv_window are read by no layer again (the engine may free them)."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else None
+
+    @property
+    def sm_scale(self) -> float:  # the attention scores' scale
+        return self.head_dim**-0.5
+
     @classmethod
     def from_hf_config(cls, hf: dict, *, dtype=None) -> LlamaConfig:
         """From a Hugging Face `config.json` dict (transformers 4 or 5 style)."""
         model_type = hf.get("model_type", "llama")
-        if model_type == "mistral" and hf.get("sliding_window") is not None:  # v0.1; v0.2 and v0.3 have none
-            raise ValueError(f"sliding_window={hf['sliding_window']} (mistral) is not supported yet; "
-                             "Mistral configs with sliding_window null load")
         if hf.get("use_sliding_window"):
             raise ValueError(f"use_sliding_window: true ({model_type}, sliding_window="
                              f"{hf.get('sliding_window')}) is not supported yet")
@@ -111,6 +138,8 @@ class LlamaConfig:
         if dtype is None and saved not in _HF_DTYPES:
             raise ValueError(f"unsupported checkpoint dtype {saved!r}; pass dtype= explicitly")
         heads = hf["num_attention_heads"]
+        # Qwen configs carry a sliding_window that they do not use (use_sliding_window false).
+        window = hf.get("sliding_window") if model_type == "mistral" else None
         return cls(
             vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
@@ -121,7 +150,7 @@ class LlamaConfig:
             attention_bias=hf.get("attention_bias", False),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"),
-            dtype=dtype or _HF_DTYPES[saved], model_type=model_type)
+            dtype=dtype or _HF_DTYPES[saved], model_type=model_type, sliding_window=window)
 
     def to_hf_config(self) -> dict:
         """The transformers-4 style `config.json` (read by transformers 4 and 5, and by vLLM)."""
@@ -137,7 +166,7 @@ class LlamaConfig:
             "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias,
             "mlp_bias": False, "max_position_embeddings": self.max_position_embeddings,
             "bos_token_id": self.bos_token_id, "eos_token_id": eos, "torch_dtype": self.dtype,
-            "sliding_window": None,  # explicit: MistralConfig's default is 4096, and no window is built here
+            "sliding_window": self.sliding_window,  # explicit: MistralConfig's default is 4096, not None
         }
 
 
@@ -181,70 +210,6 @@ def rope_inv_freq(config: LlamaConfig) -> np.ndarray:  # f32[head_dim // 2]
     blended = (1 - smooth) * scaled / s["factor"] + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return np.where(medium, blended, scaled).astype(np.float32)
-
-
-def _rope(x, cos, sin):  # x [..., heads, head_dim]; cos, sin f32[..., head_dim // 2]
-    """Rotate the two halves of each head (HF's `rotate_half` layout, which its checkpoints assume)."""
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    cos, sin = cos[..., None, :], sin[..., None, :]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
-def _rms_norm(x, weight, eps):  # x [..., hidden]; weight [hidden]
-    """Normalise in f32, scale in the model dtype (as HF's LlamaRMSNorm, so bf16 rounds alike)."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)
-
-
-def _causal_attention(
-    q,  # [batch, seq, num_heads, head_dim]
-    k,  # [batch, seq, num_kv_heads, head_dim]
-    v,  # [batch, seq, num_kv_heads, head_dim]
-    state,  # passed through: the dense path has no cache
-    *,
-    sm_scale,
-):
-    """Dense causal GQA attention, f32 softmax: the no-cache path (training, reference)."""
-    b, t, h, d = q.shape
-    kvh = k.shape[2]
-    qg = q.reshape(b, t, kvh, h // kvh, d)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * sm_scale
-    causal = jnp.tril(jnp.ones((t, t), bool))
-    p = jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
-    return out.reshape(b, t, h, d).astype(q.dtype), state
-
-
-def _decoder_layer(
-    x,  # [..., hidden_size]
-    w,  # dict of one layer's weights: LlamaLayers' shapes without the leading num_layers axis
-    cos,  # f32[..., head_dim // 2]
-    sin,  # f32[..., head_dim // 2]
-    attention,  # (q, k, v, attn_state) -> (out, attn_state)
-    attn_state,  # the paged cache, or None for the dense path
-    eps,
-):
-    """One pre-norm block -> (x, attn_state); attention is the only part that differs between the
-    paged and the dense forward."""
-    with jax.named_scope("attention"):
-        h = _rms_norm(x, w["attn_norm"], eps)
-        q = jnp.einsum("...d,dhk->...hk", h, w["wq"])
-        k = jnp.einsum("...d,dhk->...hk", h, w["wk"])
-        v = jnp.einsum("...d,dhk->...hk", h, w["wv"])
-        if "bq" in w:
-            q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
-        if "q_norm" in w:
-            q, k = _rms_norm(q, w["q_norm"], eps), _rms_norm(k, w["k_norm"], eps)
-        out, attn_state = attention(_rope(q, cos, sin), _rope(k, cos, sin), v, attn_state)
-        o = jnp.einsum("...hk,hkd->...d", out, w["wo"])
-        x = x + (o + w["bo"] if "bo" in w else o)
-    with jax.named_scope("mlp"):
-        h = _rms_norm(x, w["mlp_norm"], eps)
-        gate = jnp.einsum("...d,df->...f", h, w["w_gate"])
-        up = jnp.einsum("...d,df->...f", h, w["w_up"])
-        x = x + jnp.einsum("...f,fd->...d", jax.nn.silu(gate) * up, w["w_down"])
-    return x, attn_state
 
 
 class LlamaLayers(nnx.Module):
@@ -305,31 +270,44 @@ class Llama(nnx.Module):
         angles = positions[..., None].astype(jnp.float32) * inv_freq
         return jnp.cos(angles), jnp.sin(angles)
 
+    def decoder_layer(
+        self,
+        x,  # [..., hidden_size]
+        w,  # dict of one layer's weights: LlamaLayers' shapes without the leading num_layers axis
+        cos,  # f32[..., head_dim // 2]
+        sin,  # f32[..., head_dim // 2]
+        attention,  # (q, k, v, attn_state) -> (out, attn_state)
+        attn_state,  # the paged cache, or None for the dense path
+    ):
+        """One pre-norm block -> (x, attn_state); attention is the only part that differs between the
+        paged and the dense forward."""
+        eps = self.config.rms_norm_eps
+        with jax.named_scope("attention"):
+            o, attn_state = self_attention(rms_norm(x, w["attn_norm"], eps), w, cos, sin, attention,
+                                           attn_state, eps)
+            x = x + o
+        with jax.named_scope("mlp"):
+            x = x + gated_mlp(rms_norm(x, w["mlp_norm"], eps), w, jax.nn.silu)
+        return x, attn_state
+
     def run_layers(
         self,
         x,  # [..., hidden_size]
         positions,  # i32[...]
-        attention,  # (q, k, v, attn_state, layer) -> (out, attn_state)
+        attention,  # (q, k, v, attn_state, layer, sliding_window) -> (out, attn_state)
         attn_state,  # carried through the scan: the paged cache, or None
     ):
-        """The layer scan -> (x, attn_state)."""
+        """The layer scan (models.layers.scan_layers) -> (x, attn_state)."""
         cos, sin = self._rope_tables(positions)
-        eps = self.config.rms_norm_eps
 
-        def step(carry, xs):
-            x, state = carry
-            w, layer = xs
-            return _decoder_layer(x, w, cos, sin, functools.partial(attention, layer=layer), state,
-                                  eps), None
+        def layer(x, w, attention, state):
+            return self.decoder_layer(x, w, cos, sin, attention, state)
 
-        layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-        with jax.named_scope("layers"):
-            (x, attn_state), _ = jax.lax.scan(step, (x, attn_state), (self.layers.arrays(), layers))
-        return x, attn_state
+        return scan_layers(layer, x, self.layers.arrays(), self.config.layer_windows, attention, attn_state)
 
     def logits(self, x):  # x [..., hidden] -> f32[..., vocab]
         with jax.named_scope("lm_head"):
-            h = _rms_norm(x, self.norm[...], self.config.rms_norm_eps)
+            h = rms_norm(x, self.norm[...], self.config.rms_norm_eps)
             if self.lm_head is None:
                 return jnp.einsum("...d,vd->...v", h, self.embed[...], preferred_element_type=jnp.float32)
             return jnp.einsum("...d,dv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
@@ -347,10 +325,11 @@ class Llama(nnx.Module):
     ):
         """Ragged paged forward -> (f32[num_logits, vocab], cache): prefill, chunked prefill, decode.
         `mesh`: run attention per tensor-parallel shard (see paged_jax.worker.sharding)."""
-        sm_scale = self.config.head_dim**-0.5
+        sm_scale = self.config.sm_scale
 
-        def paged(q, k, v, cache, layer):
-            return attend(q, k, v, cache, layer, md, backend=backend, sm_scale=sm_scale, mesh=mesh)
+        def paged(q, k, v, cache, layer, sliding_window):
+            return attend(q, k, v, cache, layer, md, backend=backend, sm_scale=sm_scale,
+                          sliding_window=sliding_window, mesh=mesh)
 
         with jax.named_scope("embed"):
             x = self.embed[...][tokens]
@@ -359,10 +338,10 @@ class Llama(nnx.Module):
 
     def dense_logits(self, tokens):  # i32[batch, seq] -> f32[batch, seq, vocab]
         """Plain causal forward without a cache: differentiable (training) and the tests' reference."""
-        sm_scale = self.config.head_dim**-0.5
+        sm_scale = self.config.sm_scale
 
-        def dense(q, k, v, state, layer):
-            return _causal_attention(q, k, v, state, sm_scale=sm_scale)
+        def dense(q, k, v, state, layer, sliding_window):
+            return causal_attention(q, k, v, sm_scale=sm_scale, sliding_window=sliding_window), state
 
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         with jax.named_scope("embed"):

@@ -12,6 +12,9 @@ from paged_jax.worker.attention import AttentionMetadata
 
 LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                       original_max_position_embeddings=64)
+# A sliding window shorter than the tests' sequences: Mistral's (v0.1's is 4096) in every layer, not a
+# block multiple.
+MISTRAL_WINDOW = dict(model_type="mistral", sliding_window=12)
 
 
 def tiny_config(**overrides) -> LlamaConfig:

@@ -1,13 +1,15 @@
-"""Qwen2, Qwen3 and Mistral through `LLM(dir)` against transformers' own `Qwen2ForCausalLM`,
-`Qwen3ForCausalLM` and `MistralForCausalLM` on checkpoints they saved: logits to f32 tolerance, greedy tokens exactly, with and without prefix
-caching and preemption."""
+"""Qwen2, Qwen3 and Mistral (with and without a sliding window) through `LLM(dir)` against
+transformers' own `Qwen2ForCausalLM`, `Qwen3ForCausalLM` and `MistralForCausalLM` on checkpoints they
+saved: logits to f32 tolerance, greedy tokens exactly, with and without prefix caching and
+preemption, and through the Pallas kernels in interpret mode."""
 import json
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_testing import dense_logits, hf_logits, max_rel_err, paged_prefill_logits, tiny_config
+from model_testing import (MISTRAL_WINDOW, dense_logits, hf_logits, max_rel_err, paged_prefill_logits,
+                           tiny_config)
 from models.checkpoint import load_model
 from paged_jax import LLM, SamplingParams
 
@@ -22,6 +24,7 @@ FAMILIES = {
     "qwen3_attention_bias": dict(model_type="qwen3", attention_bias=True),
     # Mistral v0.2 / v0.3: Llama's blocks with sliding_window null (to_hf_config writes it).
     "mistral": dict(model_type="mistral", rope_theta=1e6),
+    "mistral_window": dict(MISTRAL_WINDOW, rope_theta=1e6),
 }
 NEW_TOKENS = 32
 rng = np.random.default_rng(0)
@@ -34,13 +37,13 @@ def family_config(family):
     return tiny_config(vocab_size=256, **FAMILIES[family])
 
 
-def hf_greedy(model, prompts):
-    """transformers' greedy continuations, NEW_TOKENS each (no EOS stop, as `ignore_eos`). The mask
+def hf_greedy(model, prompts, new_tokens=NEW_TOKENS):
+    """transformers' greedy continuations, `new_tokens` each (no EOS stop, as `ignore_eos`). The mask
     is explicit: inferred from pad_token_id, it would hide the prompts' own 0 tokens."""
     model.generation_config.eos_token_id = None
     with torch.no_grad():
         return [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                               max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+                               max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
                 for p in prompts]
 
 
@@ -55,7 +58,8 @@ def test_logits_match_transformers(save_hf, family):
     assert max_rel_err(paged_prefill_logits(model, PROMPTS[0]), expected) <= 1e-4
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+# Null-window Mistral runs Llama's code path (its logits are checked above); its window runs here.
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral_window"])
 def test_greedy_tokens_match_transformers(save_hf, family):
     directory, hf_model = save_hf(family_config(family))
     expected = hf_greedy(hf_model, PROMPTS)
@@ -64,9 +68,24 @@ def test_greedy_tokens_match_transformers(save_hf, family):
     assert [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)] == expected
     # 15 usable blocks for four sequences of up to 70 tokens (9 blocks each): preemption is forced.
     tight = LLM(str(directory), block_size=8, num_blocks=16, max_num_seqs=4, log_stats=False)
-    assert [o.outputs[0].token_ids for o in tight.generate(PROMPTS, GREEDY)] == expected
+    outs = tight.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
     stats = tight.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    # The last prompt is admitted after the first has written SHARED: its three blocks come cached.
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0, len(SHARED)]
+
+
+@pytest.mark.parametrize("family", ["mistral_window"])
+def test_pallas_interpret_greedy_tokens_match_transformers(save_hf, family):
+    """The Pallas kernels (run on CPU): prefill in chunks of 8 and decode, past the window."""
+    directory, hf_model = save_hf(family_config(family))
+    prompt, new_tokens = PROMPTS[0][:20], 12
+    expected = hf_greedy(hf_model, [prompt], new_tokens)
+    llm = LLM(str(directory), block_size=4, num_blocks=16, max_num_seqs=2, max_num_batched_tokens=8,
+              num_decode_steps=4, attention_backend="pallas-interpret", log_stats=False)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == expected[0]
 
 
 def test_sliding_window_is_refused(save_hf):
@@ -77,9 +96,7 @@ def test_sliding_window_is_refused(save_hf):
         LLM(str(directory), num_blocks=16, log_stats=False)
 
 
-def test_a_mistral_sliding_window_is_refused(save_hf):
-    directory, _ = save_hf(family_config("mistral"))
-    config_file = directory / "config.json"
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "sliding_window": 4096}))
-    with pytest.raises(ValueError, match=r"sliding_window=4096 \(mistral\) is not supported yet"):
-        LLM(str(directory), num_blocks=16, log_stats=False)
+def test_what_the_engine_reads_of_a_window(save_hf):
+    """kv_window: the window every layer shares (Mistral's)."""
+    directory, _ = save_hf(family_config("mistral_window"))
+    assert load_model(directory).config.kv_window == 12

@@ -1,4 +1,5 @@
 """The paged forward against the dense one, config presets and round trips, and the layer scan."""
+import re
 from typing import NamedTuple
 
 import jax
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model_testing import LLAMA3_SCALING, dense_logits, max_rel_err, random_model, tiny_config
+from model_testing import LLAMA3_SCALING, MISTRAL_WINDOW, dense_logits, max_rel_err, random_model, tiny_config
 from models.llama import Llama, LlamaConfig, PRESETS, forward, preset, rope_inv_freq
 from paged_jax.worker.attention import AttentionMetadata
 
@@ -50,9 +51,7 @@ class Setup(NamedTuple):
     dense: list  # of f32[len, vocab]: dense_logits per sequence, the reference
 
 
-@pytest.fixture(scope="module")
-def setup():
-    config = tiny_config(rope_scaling=LLAMA3_SCALING)
+def make_setup(config) -> Setup:
     model = random_model(config, seed=1)
     rng = np.random.default_rng(2)
     lens = [13, 7, 21]
@@ -63,6 +62,11 @@ def setup():
     dense = np.asarray(dense_logits(model, jnp.asarray(padded)))  # causal: right padding is inert
     graphdef, state = nnx.split(model)
     return Setup(model, graphdef, state, seqs, [dense[s, :len(seq)] for s, seq in enumerate(seqs)])
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return make_setup(tiny_config(rope_scaling=LLAMA3_SCALING))
 
 
 def run_steps(setup, schedule, num_tokens, seed):
@@ -137,6 +141,29 @@ def test_decode_token_by_token_matches_dense(setup):
                 assert max_rel_err(logits[s], dense[s][p]) <= 1e-5, (s, p)
                 checked += 1
     assert checked == sum(n - p for n, p in zip(lens, prompt))
+
+
+@pytest.mark.parametrize("overrides", [MISTRAL_WINDOW], ids=["mistral_window"])
+def test_windowed_chunked_prefill_then_decode_matches_dense(overrides):
+    """A window of 12 (Mistral) over sequences of 13, 7 and 21 tokens: a chunked prefill, then the
+    decode path (decode_only) token by token, in permuted blocks."""
+    windowed = make_setup(tiny_config(**overrides))
+    lens, prompt = [len(s) for s in windowed.seqs], [9, 2, 14]
+    got = run_steps(windowed, [[(0, 5), (0, 2), (0, 8)], [(5, 9), (2, 2), (8, 14)]], num_tokens=16, seed=5)
+    for s, p in enumerate(prompt):
+        assert max_rel_err(got[s], windowed.dense[s][:p]) <= 1e-5, s
+    cache = windowed.model.init_cache(NUM_BLOCKS, BLOCK_SIZE)
+    tables = permuted_block_tables(3, 6)
+    tokens, positions, md = ragged_batch(windowed.seqs, [(0, p) for p in prompt], tables, 32)
+    _, cache = forward(windowed.graphdef, windowed.state, tokens, positions, cache, md, jnp.zeros(1, jnp.int32))
+    for step in range(max(n - p for n, p in zip(lens, prompt))):
+        pos = [p + step if p + step < n else None for p, n in zip(prompt, lens)]
+        tokens, positions, md = decode_batch(windowed.seqs, pos, tables)
+        logits, cache = forward(windowed.graphdef, windowed.state, tokens, positions, cache, md,
+                                jnp.arange(3, dtype=jnp.int32))
+        for s, p in enumerate(pos):
+            if p is not None:
+                assert max_rel_err(logits[s], windowed.dense[s][p]) <= 1e-5, (s, p)
 
 
 def test_logits_only_for_requested_rows(setup):
@@ -237,6 +264,28 @@ def test_unsupported_hf_configs_are_rejected(field, value, message):
     hf = dict(tiny_config().to_hf_config(), **{field: value})
     with pytest.raises(ValueError, match=message):
         LlamaConfig.from_hf_config(hf)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(model_type="llama", sliding_window=8), "sliding_window=8 is for model_type 'mistral' only, got 'llama'"),
+    (dict(model_type="qwen2", sliding_window=8), "sliding_window=8 is for model_type 'mistral' only, got 'qwen2'"),
+    (dict(model_type="mistral", sliding_window=0), "sliding_window must be a positive int or None, got 0"),
+    (dict(model_type="mistral", sliding_window=8.0), "sliding_window must be a positive int or None, got 8.0"),
+])
+def test_bad_sliding_windows_are_rejected(overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tiny_config(**overrides)
+
+
+def test_mistral_window_round_trips_and_is_every_layers():
+    config = tiny_config(**MISTRAL_WINDOW)
+    assert config.to_hf_config()["sliding_window"] == 12
+    assert LlamaConfig.from_hf_config(config.to_hf_config()) == config
+    assert config.layer_windows == (12, 12) and config.kv_window == 12
+    assert tiny_config().kv_window is None
+    # Qwen2's configs name a window they do not use (use_sliding_window false): it is not read.
+    qwen2 = tiny_config(model_type="qwen2")
+    assert LlamaConfig.from_hf_config(dict(qwen2.to_hf_config(), sliding_window=4096)) == qwen2
 
 
 def test_llama3_rope_scaling_bands():

@@ -1,0 +1,130 @@
+"""The transformer pieces the families share (Llama, Qwen2/3, Mistral, Gemma 2): RoPE, RMSNorm, the
+attention and MLP sub-blocks of a decoder layer, dense causal attention, and the layer scan.
+
+Each sub-block takes one layer's weights as a dict (the stacked `LlamaLayers` arrays without their
+leading layer axis) and is written for a ragged token batch `[..., hidden]`, so the paged forward
+(`[num_tokens, hidden]`) and the dense one (`[batch, seq, hidden]`) run the same code.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def rope(x, cos, sin):  # x [..., heads, head_dim]; cos, sin f32[..., head_dim // 2]
+    """Rotate the two halves of each head (HF's `rotate_half` layout, which its checkpoints assume)."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    cos, sin = cos[..., None, :], sin[..., None, :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def rms_norm(x, weight, eps):  # x [..., hidden]; weight [hidden]
+    """Normalise in f32, scale in the model dtype (as HF's LlamaRMSNorm, so bf16 rounds alike)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def causal_attention(
+    q,  # [batch, seq, num_heads, head_dim]
+    k,  # [batch, seq, num_kv_heads, head_dim]
+    v,  # [batch, seq, num_kv_heads, head_dim]
+    *,
+    sm_scale,
+    soft_cap=None,
+    sliding_window=None,
+):
+    """Dense causal GQA attention, f32 softmax: the no-cache path (training, reference). A query at
+    position p sees keys at positions (p - sliding_window, p], as the paged kernels and transformers'
+    sliding_window_causal mask; the soft cap bends the scaled scores before the mask (as HF's eager)."""
+    b, t, h, d = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, t, kvh, h // kvh, d)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    pos = jnp.arange(t)
+    visible = pos[None, :] <= pos[:, None]  # bool[t (query), t (key)]
+    if sliding_window is not None:
+        visible &= pos[None, :] > pos[:, None] - sliding_window
+    p = jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
+    return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+def self_attention(
+    h,  # [..., hidden_size], already normalised
+    w,  # one layer's weights
+    cos,  # f32[..., head_dim // 2]
+    sin,  # f32[..., head_dim // 2]
+    attention,  # (q, k, v, attn_state) -> (out, attn_state)
+    attn_state,  # the paged cache, or None for the dense path
+    eps,
+):
+    """q/k/v projections (with Qwen's biases, Qwen3's per-head q/k norms), RoPE, attention, the
+    output projection -> ([..., hidden_size], attn_state)."""
+    q = jnp.einsum("...d,dhk->...hk", h, w["wq"])
+    k = jnp.einsum("...d,dhk->...hk", h, w["wk"])
+    v = jnp.einsum("...d,dhk->...hk", h, w["wv"])
+    if "bq" in w:
+        q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+    if "q_norm" in w:
+        q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
+    out, attn_state = attention(rope(q, cos, sin), rope(k, cos, sin), v, attn_state)
+    o = jnp.einsum("...hk,hkd->...d", out, w["wo"])
+    return (o + w["bo"] if "bo" in w else o), attn_state
+
+
+def gated_mlp(h, w, activation):  # h [..., hidden_size] -> [..., hidden_size]
+    """SwiGLU (activation silu) or GeGLU (gelu): down(activation(gate(h)) * up(h))."""
+    gate = jnp.einsum("...d,df->...f", h, w["w_gate"])
+    up = jnp.einsum("...d,df->...f", h, w["w_up"])
+    return jnp.einsum("...f,fd->...d", activation(gate) * up, w["w_down"])
+
+
+def window_period(windows) -> int:
+    """The shortest p with windows[i] == windows[i % p] for every layer i: 1 when all layers share
+    one window, 2 for Gemma 2's sliding/global alternation."""
+    n = len(windows)
+    return next(p for p in range(1, n + 1) if all(w == windows[i % p] for i, w in enumerate(windows)))
+
+
+def scan_layers(
+    layer_fn,  # (x, w, attention, attn_state) -> (x, attn_state)
+    x,  # [..., hidden_size]
+    weights,  # dict name -> [num_layers, ...]: every layer's weights stacked
+    windows,  # tuple of num_layers ints or None (global): each layer's static sliding window
+    attention,  # (q, k, v, attn_state, layer, sliding_window) -> (out, attn_state)
+    attn_state,  # carried through the scan: the paged cache, or None
+):
+    """Run every layer under `lax.scan`, so compile time does not grow with depth -> (x, attn_state).
+
+    The attention kernels take the sliding window as a static Python int (it sets their loop bounds
+    and tile skipping), so one scan step cannot choose it from a traced layer index, and a `lax.cond`
+    between two windows would copy the carried KV pages. So the scan steps over groups of
+    `window_period(windows)` consecutive layers, each layer of a group unrolled with its own static
+    window (one layer for Llama or Mistral, a sliding/global pair for Gemma 2); the
+    `num_layers % period` layers left over run unrolled after the scan."""
+    num_layers, period = len(windows), window_period(windows)
+    groups = num_layers // period
+
+    def run(x, state, w, layer, j):
+        bound = functools.partial(attention, layer=layer, sliding_window=windows[j])
+        return layer_fn(x, w, bound, state)
+
+    def step(carry, xs):
+        (x, state), (w, first) = carry, xs
+        for j in range(period):
+            x, state = run(x, state, {name: a[j] for name, a in w.items()}, first + j, j)
+        return (x, state), None
+
+    grouped = {name: a[:groups * period].reshape(groups, period, *a.shape[1:]) for name, a in weights.items()}
+    firsts = period * jnp.arange(groups, dtype=jnp.int32)
+    with jax.named_scope("layers"):
+        (x, attn_state), _ = jax.lax.scan(step, (x, attn_state), (grouped, firsts))
+        for layer in range(groups * period, num_layers):
+            x, attn_state = run(x, attn_state, {name: a[layer] for name, a in weights.items()},
+                                jnp.int32(layer), layer % period)
+    return x, attn_state
