@@ -76,9 +76,10 @@ def kv_budget_bytes(*, gpu_memory_utilization=None, kv_cache_memory_fraction=Non
 def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None, kv_cache_memory_fraction=None,
             activation_bytes=None, max_num_seqs,
             max_num_batched_tokens, max_model_len, num_decode_steps, long_prefill_token_threshold,
-            enable_prefix_caching, attention_backend, kv_dtype, kv_shards=1) -> EngineConfig:
+            enable_prefix_caching, attention_backend, kv_dtype, kv_shards=1, sliding_window=None) -> EngineConfig:
     """`kv_shards`: devices the KV heads are split over (tensor parallelism); the budget is per
-    device, so each block costs a device 1 / kv_shards of its bytes. `activation_bytes(num_tokens,
+    device, so each block costs a device 1 / kv_shards of its bytes. `sliding_window`: the window every
+    layer shares, which bounds the blocks a sequence holds (and so what the pool can use), not its length. `activation_bytes(num_tokens,
     max_num_seqs, max_model_len)` measures the activation peak of the largest step (called only on a
     device with memory stats)."""
     _check_positive(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
@@ -99,7 +100,9 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
     max_model_len = max_model_len or min(limit, 4096 if on_cpu else limit)
     bytes_per_block = (2 * model_config.num_layers * model_config.num_kv_heads * block_size
                        * model_config.head_dim * jax.numpy.dtype(kv_dtype).itemsize)
-    useful = max_num_seqs * -(-max_model_len // block_size) + 1  # more could never be used
+    step_tokens = max(max_num_batched_tokens, num_decode_steps or 8)
+    per_seq = blocks_per_seq(max_model_len, block_size, sliding_window, step_tokens)
+    useful = max_num_seqs * per_seq + 1  # more could never be used
     if num_blocks is None:
         budget = kv_budget_bytes(
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_fraction=kv_cache_memory_fraction,
@@ -109,14 +112,25 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
     if num_blocks < 2:
         raise ValueError(f"the KV cache holds {num_blocks} blocks of {bytes_per_block} bytes; "
                          "at least 2 are needed: raise the budget or lower block_size")
-    if chosen_len is None:  # a length the user chose stays; requests that outgrow the pool fail alone
-        max_model_len = min(max_model_len, (num_blocks - 1) * block_size)
+    if chosen_len is None and sliding_window is None:  # a length the user chose stays; requests
+        max_model_len = min(max_model_len, (num_blocks - 1) * block_size)  # that outgrow the pool fail alone
     return EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                         num_decode_steps=num_decode_steps or 8,
                         long_prefill_token_threshold=long_prefill_token_threshold,
                         enable_prefix_caching=enable_prefix_caching,
                         attention_backend=attention_backend, bytes_per_block=bytes_per_block)
+
+
+def blocks_per_seq(longest: int, block_size: int, sliding_window: int | None = None, step_tokens: int = 0) -> int:
+    """The most blocks a sequence of up to `longest` tokens holds at once: all of its blocks, or with
+    a sliding window those one step reads or writes. A step adding m <= `step_tokens` tokens after c
+    computed ones holds blocks (c - window + 1) // block_size .. (c + m - 1) // block_size (the
+    scheduler frees the ones before, vLLM's remove_skipped_blocks)."""
+    whole = -(-longest // block_size)
+    if sliding_window is None:
+        return whole
+    return min(whole, -(-(sliding_window - 1 + step_tokens) // block_size) + 1)
 
 
 def announce(config: EngineConfig) -> None:

@@ -39,6 +39,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.output_processor = OutputProcessor(tokenizer)
         kv_dtype = np.dtype(model.config.dtype)
+        window = getattr(model.config, "kv_window", None)  # shared by every layer: blocks behind it are freed
         backend = resolve_backend(attention_backend)
         self.config = config_lib.resolve(
             model.config, block_size=block_size, num_blocks=num_blocks,
@@ -50,7 +51,7 @@ class LLMEngine:
             num_decode_steps=num_decode_steps, long_prefill_token_threshold=long_prefill_token_threshold,
             enable_prefix_caching=enable_prefix_caching,
             attention_backend=backend, kv_dtype=kv_dtype,
-            kv_shards=sharding.tensor_parallel_size(mesh))
+            kv_shards=sharding.tensor_parallel_size(mesh), sliding_window=window)
         if log_stats:
             config_lib.announce(self.config)
         c = self.config
@@ -63,7 +64,7 @@ class LLMEngine:
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             block_size=c.block_size, num_blocks=c.num_blocks, max_blocks_per_seq=c.max_blocks_per_seq,
             long_prefill_token_threshold=c.long_prefill_token_threshold, prefix_cache=self.prefix_cache,
-            sliding_window=getattr(model.config, "kv_window", None))
+            sliding_window=window)
         self.requests: dict[str, Request] = {}
         self._finished_outside_step: set[str] = set()  # rejected or aborted: reported by the next step
         self.seed = seed
@@ -134,7 +135,10 @@ class LLMEngine:
         if n >= c.max_model_len:
             return f"the prompt has {n} tokens, max_model_len is {c.max_model_len} (one more is needed for output)"
         longest = min(c.max_model_len, n + (params.max_tokens or c.max_model_len))
-        need = -(-longest // c.block_size) + (params.n - 1) * int(n % c.block_size != 0)
+        chunk = min(n, c.max_num_batched_tokens, c.long_prefill_token_threshold or n)
+        need = (config_lib.blocks_per_seq(longest, c.block_size, self.scheduler.sliding_window,
+                                          max(chunk, c.num_decode_steps))
+                + (params.n - 1) * int(n % c.block_size != 0))
         if need > c.num_blocks - 1:
             return f"the request may need {need} blocks, the KV cache holds {c.num_blocks - 1}"
         if params.n > c.max_num_seqs:
