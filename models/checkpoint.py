@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from safetensors import safe_open
 
+from models.gemma2 import Gemma2, Gemma2Config
 from models.llama import ARCHITECTURES, Llama, LlamaConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -37,8 +38,9 @@ class HFTensor(NamedTuple):
     transpose: bool  # HF's nn.Linear stores [out, in]; ours are [in, out]
 
 
-def llama_hf_tensors(c: LlamaConfig) -> dict[str, HFTensor]:
-    """HF tensor name -> where it goes in our parameters (reshaped to the parameter's per-layer shape)."""
+def llama_hf_tensors(c: LlamaConfig, extra_per_layer=None) -> dict[str, HFTensor]:
+    """HF tensor name -> where it goes in our parameters (reshaped to the parameter's per-layer shape).
+    `extra_per_layer`: a family's layer tensors, added to (or replacing) Llama's."""
     d, f, q, kv = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     out = {"model.embed_tokens.weight": HFTensor(("embed",), None, (c.vocab_size, d), False),
            "model.norm.weight": HFTensor(("norm",), None, (d,), False)}
@@ -62,10 +64,20 @@ def llama_hf_tensors(c: LlamaConfig) -> dict[str, HFTensor]:
     if c.qk_norm:
         per_layer.update({"self_attn.q_norm.weight": ("q_norm", (c.head_dim,), False),
                           "self_attn.k_norm.weight": ("k_norm", (c.head_dim,), False)})
+    per_layer.update(extra_per_layer or {})
     for i in range(c.num_layers):
         for name, (param, shape, transpose) in per_layer.items():
             out[f"model.layers.{i}.{name}"] = HFTensor(("layers", param), i, shape, transpose)
     return out
+
+
+def gemma2_hf_tensors(c: Gemma2Config) -> dict[str, HFTensor]:
+    """Llama's tensors; HF's post_attention_layernorm follows attention here (it precedes the MLP in
+    Llama), pre_feedforward_layernorm precedes the MLP, post_feedforward_layernorm follows it."""
+    d = (c.hidden_size,)
+    return llama_hf_tensors(c, {"post_attention_layernorm.weight": ("post_attn_norm", d, False),
+                                "pre_feedforward_layernorm.weight": ("mlp_norm", d, False),
+                                "post_feedforward_layernorm.weight": ("post_mlp_norm", d, False)})
 
 
 class ModelSpec(NamedTuple):
@@ -75,7 +87,8 @@ class ModelSpec(NamedTuple):
 
 
 # config.json's model_type -> how to build and fill the model (vLLM's model registry, in small).
-MODEL_REGISTRY = {model_type: ModelSpec(LlamaConfig, Llama, llama_hf_tensors) for model_type in ARCHITECTURES}
+MODEL_REGISTRY = {**{model_type: ModelSpec(LlamaConfig, Llama, llama_hf_tensors) for model_type in ARCHITECTURES},
+                  "gemma2": ModelSpec(Gemma2Config, Gemma2, gemma2_hf_tensors)}
 # Tensors some checkpoints carry that the model recomputes (old HF Llama saved RoPE's table).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 

@@ -1,6 +1,6 @@
 """Llama 3 (Hugging Face `LlamaForCausalLM`'s family) in Flax NNX, reading and writing the paged KV cache.
 Qwen2 and Qwen3 are the same blocks plus q/k/v biases or per-head q/k norms, Mistral plus a sliding
-window (`ARCHITECTURES`).
+window (`ARCHITECTURES`); Gemma 2 (models/gemma2.py) subclasses the config and the model.
 
 One forward serves prefill, chunked prefill and decode: a ragged batch of tokens, each layer writes
 its new K/V at `md.slot_mapping` and attends through `paged_jax.worker.attention.attend`. The KV cache is an
@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
+    architectures: ClassVar[dict[str, str]] = ARCHITECTURES  # the model_types this class builds
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -79,8 +80,9 @@ class LlamaConfig:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
-        if self.model_type not in ARCHITECTURES:
-            raise ValueError(f"unsupported model_type {self.model_type!r}: only {sorted(ARCHITECTURES)} are implemented")
+        if self.model_type not in self.architectures:
+            raise ValueError(f"unsupported model_type {self.model_type!r}: only {sorted(self.architectures)} "
+                             "are implemented")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
@@ -88,6 +90,9 @@ class LlamaConfig:
                 isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int)
                 or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
+        self._check_family()
+
+    def _check_family(self):
         # HF's Llama and Qwen classes ignore a sliding_window (Qwen2's use_sliding_window is refused
         # on load): only Mistral's would round-trip through to_hf_config.
         if self.sliding_window is not None and self.model_type != "mistral":
@@ -119,6 +124,10 @@ class LlamaConfig:
     def sm_scale(self) -> float:  # the attention scores' scale
         return self.head_dim**-0.5
 
+    @property
+    def attn_soft_cap(self) -> float | None:  # cap * tanh(score / cap) on the scaled scores; Gemma 2's
+        return None
+
     @classmethod
     def from_hf_config(cls, hf: dict, *, dtype=None) -> LlamaConfig:
         """From a Hugging Face `config.json` dict (transformers 4 or 5 style)."""
@@ -129,35 +138,17 @@ class LlamaConfig:
         if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias", False):
             raise ValueError("unsupported Llama variant: hidden_act must be 'silu' and mlp_bias false, "
                              f"got {hf.get('hidden_act')!r}, {hf.get('mlp_bias')!r}")
-        # transformers 5 folds rope_theta and the scaling into `rope_parameters`; 4 keeps them apart.
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
-        if not rope or rope.get("rope_type", rope.get("type")) == "default":
-            rope = None
-        saved = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-        if dtype is None and saved not in _HF_DTYPES:
-            raise ValueError(f"unsupported checkpoint dtype {saved!r}; pass dtype= explicitly")
-        heads = hf["num_attention_heads"]
         # Qwen configs carry a sliding_window that they do not use (use_sliding_window false).
         window = hf.get("sliding_window") if model_type == "mistral" else None
-        return cls(
-            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
-            num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=rope,
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            attention_bias=hf.get("attention_bias", False),
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"),
-            dtype=dtype or _HF_DTYPES[saved], model_type=model_type, sliding_window=window)
+        return cls(**hf_common_fields(hf, dtype), attention_bias=hf.get("attention_bias", False),
+                   model_type=model_type, sliding_window=window)
 
     def to_hf_config(self) -> dict:
         """The transformers-4 style `config.json` (read by transformers 4 and 5, and by vLLM)."""
         eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
         scaling = None if self.rope_scaling is None else dict(self.rope_scaling)
         return {
-            "architectures": [ARCHITECTURES[self.model_type]], "model_type": self.model_type,
+            "architectures": [self.architectures[self.model_type]], "model_type": self.model_type,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
@@ -168,6 +159,29 @@ class LlamaConfig:
             "bos_token_id": self.bos_token_id, "eos_token_id": eos, "torch_dtype": self.dtype,
             "sliding_window": self.sliding_window,  # explicit: MistralConfig's default is 4096, not None
         }
+
+
+def hf_common_fields(hf: dict, dtype) -> dict:
+    """The fields every family reads alike from an HF `config.json` dict."""
+    # transformers 5 folds rope_theta and the scaling into `rope_parameters`; 4 keeps them apart.
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    if not rope or rope.get("rope_type", rope.get("type")) == "default":
+        rope = None
+    saved = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    if dtype is None and saved not in _HF_DTYPES:
+        raise ValueError(f"unsupported checkpoint dtype {saved!r}; pass dtype= explicitly")
+    heads = hf["num_attention_heads"]
+    return dict(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=rope,
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"),
+        dtype=dtype or _HF_DTYPES[saved])
 
 
 _LLAMA3_SCALING = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
@@ -215,6 +229,9 @@ def rope_inv_freq(config: LlamaConfig) -> np.ndarray:  # f32[head_dim // 2]
 class LlamaLayers(nnx.Module):
     """Every decoder layer's weights, stacked on a leading `num_layers` axis for the layer scan."""
 
+    norms = ("attn_norm", "mlp_norm")  # before attention, before the MLP
+    norm_init = 1.0  # the weight of an identity norm: RMSNorm scales by w (Gemma's by 1 + w)
+
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         c, dtype = config, jnp.dtype(config.dtype)
         n, d, f = c.num_layers, c.hidden_size, c.intermediate_size
@@ -228,7 +245,8 @@ class LlamaLayers(nnx.Module):
         def const(fill, *shape):
             return nnx.Param(jnp.full((n, *shape), fill, dtype))
 
-        self.attn_norm = const(1.0, d)
+        for name in self.norms:
+            setattr(self, name, const(self.norm_init, d))
         self.wq = weight(d, c.num_heads, c.head_dim)
         self.wk = weight(d, c.num_kv_heads, c.head_dim)
         self.wv = weight(d, c.num_kv_heads, c.head_dim)
@@ -242,11 +260,10 @@ class LlamaLayers(nnx.Module):
         if c.qk_norm:
             self.q_norm = const(1.0, c.head_dim)
             self.k_norm = const(1.0, c.head_dim)
-        self.mlp_norm = const(1.0, d)
         self.w_gate = weight(d, f)
         self.w_up = weight(d, f)
         self.w_down = weight(f, d)
-        self.names = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down") + tuple(
+        self.names = self.norms + ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down") + tuple(
             name for name in ("bq", "bk", "bv", "bo", "q_norm", "k_norm") if hasattr(self, name))
 
     def arrays(self) -> dict[str, jax.Array]:
@@ -255,12 +272,14 @@ class LlamaLayers(nnx.Module):
 
 
 class Llama(nnx.Module):
+    layers_cls = LlamaLayers  # a family with other per-layer weights (Gemma 2) names its own
+
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         self.config = config
         dtype, normal = jnp.dtype(config.dtype), nnx.initializers.normal(0.02)  # HF's initializer_range
         self.embed = nnx.Param(normal(rngs.params(), (config.vocab_size, config.hidden_size), dtype))
-        self.layers = LlamaLayers(config, rngs=rngs)
-        self.norm = nnx.Param(jnp.ones((config.hidden_size,), dtype))
+        self.layers = self.layers_cls(config, rngs=rngs)
+        self.norm = nnx.Param(jnp.full((config.hidden_size,), self.layers_cls.norm_init, dtype))
         # Tied: the head reads `embed` ([vocab, hidden]) transposed; untied: its own [hidden, vocab].
         self.lm_head = None if config.tie_word_embeddings else nnx.Param(
             normal(rngs.params(), (config.hidden_size, config.vocab_size), dtype))
@@ -269,6 +288,10 @@ class Llama(nnx.Module):
         inv_freq = jnp.asarray(rope_inv_freq(self.config))  # a constant of the config, built at trace time
         angles = positions[..., None].astype(jnp.float32) * inv_freq
         return jnp.cos(angles), jnp.sin(angles)
+
+    def embed_tokens(self, tokens):  # i32[...] -> [..., hidden_size]
+        with jax.named_scope("embed"):
+            return self.embed[...][tokens]
 
     def decoder_layer(
         self,
@@ -305,12 +328,14 @@ class Llama(nnx.Module):
 
         return scan_layers(layer, x, self.layers.arrays(), self.config.layer_windows, attention, attn_state)
 
+    def lm_head_logits(self, h):  # h [..., hidden], normalised -> f32[..., vocab]
+        if self.lm_head is None:
+            return jnp.einsum("...d,vd->...v", h, self.embed[...], preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,dv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
+
     def logits(self, x):  # x [..., hidden] -> f32[..., vocab]
         with jax.named_scope("lm_head"):
-            h = rms_norm(x, self.norm[...], self.config.rms_norm_eps)
-            if self.lm_head is None:
-                return jnp.einsum("...d,vd->...v", h, self.embed[...], preferred_element_type=jnp.float32)
-            return jnp.einsum("...d,dv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
+            return self.lm_head_logits(rms_norm(x, self.norm[...], self.config.rms_norm_eps))
 
     def __call__(
         self,
@@ -325,28 +350,25 @@ class Llama(nnx.Module):
     ):
         """Ragged paged forward -> (f32[num_logits, vocab], cache): prefill, chunked prefill, decode.
         `mesh`: run attention per tensor-parallel shard (see paged_jax.worker.sharding)."""
-        sm_scale = self.config.sm_scale
+        c = self.config
 
         def paged(q, k, v, cache, layer, sliding_window):
-            return attend(q, k, v, cache, layer, md, backend=backend, sm_scale=sm_scale,
-                          sliding_window=sliding_window, mesh=mesh)
+            return attend(q, k, v, cache, layer, md, backend=backend, sm_scale=c.sm_scale,
+                          soft_cap=c.attn_soft_cap, sliding_window=sliding_window, mesh=mesh)
 
-        with jax.named_scope("embed"):
-            x = self.embed[...][tokens]
-        x, cache = self.run_layers(x, positions, paged, cache)
+        x, cache = self.run_layers(self.embed_tokens(tokens), positions, paged, cache)
         return self.logits(x[logits_indices]), cache
 
     def dense_logits(self, tokens):  # i32[batch, seq] -> f32[batch, seq, vocab]
         """Plain causal forward without a cache: differentiable (training) and the tests' reference."""
-        sm_scale = self.config.sm_scale
+        c = self.config
 
         def dense(q, k, v, state, layer, sliding_window):
-            return causal_attention(q, k, v, sm_scale=sm_scale, sliding_window=sliding_window), state
+            return causal_attention(q, k, v, sm_scale=c.sm_scale, soft_cap=c.attn_soft_cap,
+                                    sliding_window=sliding_window), state
 
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        with jax.named_scope("embed"):
-            x = self.embed[...][tokens]
-        x, _ = self.run_layers(x, positions, dense, None)
+        x, _ = self.run_layers(self.embed_tokens(tokens), positions, dense, None)
         return self.logits(x)
 
     def init_cache(self, num_blocks: int, block_size: int, *, layout: str = "paged") -> KVCache:

@@ -14,7 +14,8 @@ from paged_jax.worker.sharding import AXIS, make_mesh
 
 # config.json's model_type -> the module that loads it, imported only when used (as vLLM's registry
 # does), so that paged_jax never imports models at module level.
-MODEL_LOADERS = {"llama": "models", "qwen2": "models", "qwen3": "models", "mistral": "models"}
+MODEL_LOADERS = {"llama": "models", "qwen2": "models", "qwen3": "models", "mistral": "models",
+                 "gemma2": "models"}
 
 
 def load_model(path, dtype=None):

@@ -23,7 +23,8 @@ AXIS = "model"
 # Parameter name -> spec; stacked layer weights carry the leading num_layers axis.
 PARAM_SPECS = {
     "embed": P(), "norm": P(), "lm_head": P(None, AXIS),
-    "attn_norm": P(), "mlp_norm": P(), "bo": P(), "q_norm": P(), "k_norm": P(),
+    "attn_norm": P(), "mlp_norm": P(), "post_attn_norm": P(), "post_mlp_norm": P(),
+    "bo": P(), "q_norm": P(), "k_norm": P(),
     "wq": P(None, None, AXIS, None), "wk": P(None, None, AXIS, None), "wv": P(None, None, AXIS, None),
     "bq": P(None, AXIS, None), "bk": P(None, AXIS, None), "bv": P(None, AXIS, None),
     "wo": P(None, AXIS, None, None),

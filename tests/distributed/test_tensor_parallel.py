@@ -16,7 +16,7 @@ from paged_jax.core import block_pool as bp
 from paged_jax.worker import sharding
 from paged_jax.worker.attention import AttentionMetadata
 from pallas_kernels import targets
-from tests.models.model_testing import MISTRAL_WINDOW, max_rel_err, random_model, tiny_config
+from tests.models.model_testing import GEMMA2, MISTRAL_WINDOW, max_rel_err, random_model, tiny_config
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices: run in its own process "
                                 "by tests/paged_jax/test_tensor_parallel_process.py")
@@ -81,9 +81,11 @@ def test_qwen_biases_and_qk_norms_shard(model_type):
     assert_sharded_logits_match_one_device(tiny_config(model_type=model_type), 4)
 
 
-def test_a_sliding_window_shards():
-    """tp=4 over 2 KV heads, a window shorter than the 23-token prompt: each shard's kernel gets it."""
-    assert_sharded_logits_match_one_device(tiny_config(**MISTRAL_WINDOW), 4)
+@pytest.mark.parametrize("overrides", [MISTRAL_WINDOW, GEMMA2], ids=["mistral_window", "gemma2"])
+def test_sliding_windows_and_gemma2_shard(overrides):
+    """tp=4 over 2 KV heads, windows shorter than the 23-token prompt: each shard's kernel gets the
+    layer's window and Gemma 2's soft cap; its four norms are replicated."""
+    assert_sharded_logits_match_one_device(tiny_config(**overrides), 4)
 
 
 def test_params_and_pages_are_sharded_megatron_style():

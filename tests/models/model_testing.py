@@ -1,24 +1,30 @@
 """Shared builders for the model tests (imported by name: pytest puts this directory on sys.path).
 
-Every config comes from one factory, `tiny_config(**overrides)`; models get weights large enough
-that attention is far from uniform, so a wrong mask, position or head mapping moves the logits."""
+Every config comes from one factory, `tiny_config(**overrides)` (its model_type picks the config
+class: Gemma2Config for gemma2); models get weights large enough that attention is far from
+uniform, so a wrong mask, position or head mapping moves the logits."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.llama import Llama, LlamaConfig, forward, preset
+from models.checkpoint import MODEL_REGISTRY
+from models.llama import PRESETS, Llama, LlamaConfig, forward
 from paged_jax.worker.attention import AttentionMetadata
 
 LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                       original_max_position_embeddings=64)
-# A sliding window shorter than the tests' sequences: Mistral's (v0.1's is 4096) in every layer, not a
-# block multiple.
+# Sliding windows shorter than the tests' sequences. Mistral's (v0.1's is 4096) in every layer, not a
+# block multiple. Gemma 2's three layers: a sliding/global pair in the layer scan and one sliding
+# layer after it; caps near the scores' and logits' size, so tanh bends them; a scale not head_dim's.
 MISTRAL_WINDOW = dict(model_type="mistral", sliding_window=12)
+GEMMA2 = dict(model_type="gemma2", num_layers=3, head_dim=32, sliding_window=16, query_pre_attn_scalar=24,
+              attn_logit_softcapping=5.0, final_logit_softcapping=3.0, tie_word_embeddings=True)
 
 
 def tiny_config(**overrides) -> LlamaConfig:
-    return preset("tiny", **overrides)
+    config_cls = MODEL_REGISTRY[overrides.get("model_type", "llama")].config_cls
+    return config_cls(**{**PRESETS["tiny"], **overrides})
 
 
 def max_rel_err(actual, expected) -> float:
@@ -37,7 +43,8 @@ def _fan_in(name, config):
 def random_model(config: LlamaConfig, seed: int = 0) -> Llama:
     """Weights ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.1^2), biases ~ N(0, 0.1^2); the same draws for
     the same seed whatever the dtype. Built from shapes: eager random init would cost seconds."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(seed))))
+    model_cls = MODEL_REGISTRY[config.model_type].model_cls
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(seed))))
     pure = nnx.to_pure_dict(state)
     rng = np.random.default_rng(seed)
 

@@ -1,14 +1,14 @@
-"""Qwen2, Qwen3 and Mistral (with and without a sliding window) through `LLM(dir)` against
-transformers' own `Qwen2ForCausalLM`, `Qwen3ForCausalLM` and `MistralForCausalLM` on checkpoints they
-saved: logits to f32 tolerance, greedy tokens exactly, with and without prefix caching and
-preemption, and through the Pallas kernels in interpret mode."""
+"""Qwen2, Qwen3, Mistral (with and without a sliding window) and Gemma 2 through `LLM(dir)` against
+transformers' own `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `MistralForCausalLM` and `Gemma2ForCausalLM`
+on checkpoints they saved: logits to f32 tolerance, greedy tokens exactly, with and without prefix
+caching and preemption, and through the Pallas kernels in interpret mode."""
 import json
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_testing import (MISTRAL_WINDOW, dense_logits, hf_logits, max_rel_err, paged_prefill_logits,
+from model_testing import (GEMMA2, MISTRAL_WINDOW, dense_logits, hf_logits, max_rel_err, paged_prefill_logits,
                            tiny_config)
 from models.checkpoint import load_model
 from paged_jax import LLM, SamplingParams
@@ -25,6 +25,7 @@ FAMILIES = {
     # Mistral v0.2 / v0.3: Llama's blocks with sliding_window null (to_hf_config writes it).
     "mistral": dict(model_type="mistral", rope_theta=1e6),
     "mistral_window": dict(MISTRAL_WINDOW, rope_theta=1e6),
+    "gemma2": GEMMA2,
 }
 NEW_TOKENS = 32
 rng = np.random.default_rng(0)
@@ -59,7 +60,7 @@ def test_logits_match_transformers(save_hf, family):
 
 
 # Null-window Mistral runs Llama's code path (its logits are checked above); its window runs here.
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral_window"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral_window", "gemma2"])
 def test_greedy_tokens_match_transformers(save_hf, family):
     directory, hf_model = save_hf(family_config(family))
     expected = hf_greedy(hf_model, PROMPTS)
@@ -85,7 +86,7 @@ def test_greedy_tokens_match_transformers(save_hf, family):
         assert one.stats()["peak_blocks_used"] == 4
 
 
-@pytest.mark.parametrize("family", ["mistral_window"])
+@pytest.mark.parametrize("family", ["mistral_window", "gemma2"])
 def test_pallas_interpret_greedy_tokens_match_transformers(save_hf, family):
     """The Pallas kernels (run on CPU): prefill in chunks of 8 and decode, past the window."""
     directory, hf_model = save_hf(family_config(family))
@@ -106,6 +107,9 @@ def test_sliding_window_is_refused(save_hf):
 
 
 def test_what_the_engine_reads_of_a_window(save_hf):
-    """kv_window: the window every layer shares (Mistral's)."""
+    """kv_window: the window every layer shares (Mistral's), None when a layer attends globally."""
     directory, _ = save_hf(family_config("mistral_window"))
     assert load_model(directory).config.kv_window == 12
+    directory, _ = save_hf(family_config("gemma2"), "gemma2")
+    config = load_model(directory).config
+    assert config.layer_windows == (16, None, 16) and config.kv_window is None

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model_testing import LLAMA3_SCALING, MISTRAL_WINDOW, dense_logits, max_rel_err, random_model, tiny_config
+from model_testing import GEMMA2, LLAMA3_SCALING, MISTRAL_WINDOW, dense_logits, max_rel_err, random_model, tiny_config
 from models.llama import Llama, LlamaConfig, PRESETS, forward, preset, rope_inv_freq
 from paged_jax.worker.attention import AttentionMetadata
 
@@ -143,10 +143,10 @@ def test_decode_token_by_token_matches_dense(setup):
     assert checked == sum(n - p for n, p in zip(lens, prompt))
 
 
-@pytest.mark.parametrize("overrides", [MISTRAL_WINDOW], ids=["mistral_window"])
+@pytest.mark.parametrize("overrides", [MISTRAL_WINDOW, GEMMA2], ids=["mistral_window", "gemma2"])
 def test_windowed_chunked_prefill_then_decode_matches_dense(overrides):
-    """A window of 12 (Mistral) over sequences of 13, 7 and 21 tokens: a chunked prefill, then the
-    decode path (decode_only) token by token, in permuted blocks."""
+    """Windows of 12 (Mistral) and 16 (Gemma 2's sliding layers) over sequences of 13, 7 and 21
+    tokens: a chunked prefill, then the decode path (decode_only) token by token, in permuted blocks."""
     windowed = make_setup(tiny_config(**overrides))
     lens, prompt = [len(s) for s in windowed.seqs], [9, 2, 14]
     got = run_steps(windowed, [[(0, 5), (0, 2), (0, 8)], [(5, 9), (2, 2), (8, 14)]], num_tokens=16, seed=5)
@@ -256,7 +256,7 @@ def test_reads_transformers_5_rope_parameters():
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("model_type", "gemma2", "unsupported model_type 'gemma2'"),
+    ("model_type", "gemma3", "unsupported model_type 'gemma3'"),
     ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "unsupported rope_scaling type 'yarn'"),
     ("rope_scaling", {"type": "linear", "factor": 2.0}, "unsupported rope_scaling type 'linear'"),
 ])
