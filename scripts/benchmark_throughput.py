@@ -6,6 +6,7 @@ all submitted at once with ignore_eos, greedy, on one random Llama (58M paramete
     python scripts/benchmark_throughput.py --section prefix     # shared system prompt, caching on/off
     python scripts/benchmark_throughput.py --section capacity --hidden-size 256 --num-layers 4
                                                                 # the same requests, rising engine capacity
+    python scripts/benchmark_throughput.py --section window     # one KV budget, with and without a window
 
 Sections: `engines`: the paged engine (block_size 16); the same engine with block_size = max_model_len
 (a contiguous reservation of the longest answer per request); a plain JAX greedy loop over a dense KV
@@ -13,12 +14,15 @@ cache with static batches; Hugging Face `generate` on torch (when installed). `m
 claim, with one KV budget small enough that it, not --max-num-seqs, limits the contiguous engine.
 `prefix`: every prompt starts with the same system prompt. `capacity`: 8 requests (32 prompt, 64
 output tokens) on engines of rising max_num_seqs x max_model_len up to GPU defaults (256, 131072),
-then 128 requests at the largest: the cost of a step must follow the work, not the capacity. Run
+then 128 requests at the largest: the cost of a step must follow the work, not the capacity.
+`window`: the same weights as Llama (every layer global) and as Mistral with a sliding window (blocks
+behind it go back to the pool), one KV budget, long generations. Run
 time excludes jit compile time (each engine first runs other prompts of the same lengths).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -45,6 +49,10 @@ COLUMNS = {
                         ("ttft_p50_s", "TTFT p50 s", ".2f"), ("hit_rate", "hit rate", ".1%"),
                         ("total_tok_s", "total tok/s", ".1f"), ("ratio", "x baseline", ".2f"),
                         ("run_s", "run s", ".1f")],
+    "window": COMMON + [("peak_blocks", "peak blocks, 1 request", "d"), ("max_running", "max running", "d"),
+                        ("mean_running", "mean running", ".1f"), ("num_preemptions", "preempted", "d"),
+                        ("output_tok_s", "output tok/s", ".1f"), ("ratio", "x baseline", ".2f"),
+                        ("run_s", "run s", ".1f")],
     "capacity": COMMON + [("output_tok_s", "output tok/s", ".1f"), ("ratio", "x baseline", ".2f"),
                           ("run_s", "run s", ".2f"), ("compile_s", "compile s", ".1f"),
                           ("same_tokens", "same tokens", ".0%")],
@@ -64,6 +72,27 @@ def capacity_rows(args, model):
         rows.append(engine_row(f"max_num_seqs {num_seqs}, max_model_len {max_len}, {n} requests", llm,
                                prompts[:n], [64] * n))
     return rows, prompts[:8]
+def window_rows(args, model):
+    """-> (rows, prompts, output lengths): 16 requests of 64 prompt and 448 output tokens in a KV
+    budget of 4 x 512 token slots, on the model as it is and as Mistral with a 128-token window."""
+    from flax import nnx
+
+    from models.llama import Llama
+
+    config = dataclasses.replace(model.config, model_type="mistral", sliding_window=args.window)
+    windowed = Llama(config, rngs=nnx.Rngs(0))
+    nnx.update(windowed, nnx.state(model))
+    rng = np.random.default_rng(args.seed)
+    prompts, outs = [rng.integers(0, args.vocab_size, 64).tolist() for _ in range(16)], [448] * 16
+    rows = []
+    for name, m in (("no window (Llama)", model), (f"sliding window {args.window} (Mistral)", windowed)):
+        kw = dict(block_size=16, max_num_seqs=16, max_model_len=512, max_num_batched_tokens=512)
+        one = engine_row("one", benchlib.make_llm(m, kv_tokens=4 * 512, **kw), prompts[:1], outs[:1])
+        row = engine_row(name, benchlib.make_llm(m, kv_tokens=4 * 512, **kw), prompts, outs)
+        rows.append(dict(row, peak_blocks=one["peak_blocks"]))
+    return rows, prompts, outs
+
+
 SUFFIX_LENS = (8, 64)  # prefix section: each prompt's own tokens after the shared ones, uniform in [8, 64)
 
 
@@ -86,7 +115,8 @@ def engine_row(name, llm, prompts, output_lens, read_pool=False):
     outputs, stats, ttft = row.pop("outputs"), row.pop("stats"), row.pop("ttft_s")
     return dict(row, name=name, answers=[o.outputs[0].token_ids for o in outputs],
                 ttft_mean_s=float(np.mean(ttft)), ttft_p50_s=float(np.median(ttft)),
-                num_preemptions=stats["num_preemptions"], hit_rate=stats["prefix_cache_hit_rate"])
+                num_preemptions=stats["num_preemptions"], hit_rate=stats["prefix_cache_hit_rate"],
+                peak_blocks=stats["peak_blocks_used"])
 
 
 def timed_row(name, generate, *gen_args):
@@ -123,6 +153,8 @@ def run_section(args, model):
                            prompts, outs, read_pool=True)
                 for name, blocks in (("paged (block_size 16)", paged), (contiguous_name, contiguous))]
         baseline = 1
+    elif args.section == "window":
+        (rows, prompts, outs), baseline = window_rows(args, model), 0
     elif args.section == "capacity":
         (rows, prompts), outs, baseline = capacity_rows(args, model), [64] * 8, 0
     else:
@@ -156,6 +188,7 @@ def main(argv=None):
     ap.add_argument("--kv-budget-seqs", type=int, default=4, help="memory: KV budget in max_model_len requests")
     ap.add_argument("--prefix-len", type=int, default=512, help="prefix: shared system prompt tokens")
     ap.add_argument("--prefix-output-len", type=int, default=16)
+    ap.add_argument("--window", type=int, default=128, help="window: the sliding window in tokens")
     ap.add_argument("--no-hf", action="store_true", help="skip Hugging Face generate")
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch intra-op threads (default: torch's); 1 on a CPU shared with other jobs, where "
