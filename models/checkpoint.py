@@ -227,7 +227,12 @@ def checkpoint_kind(path) -> str:
 
 
 def load_model(path, *, dtype=None) -> Llama:
-    """The engine's loader: an HF safetensors or an Orbax directory, told apart by its contents."""
+    """The engine's loader: an HF safetensors or an Orbax directory, told apart by its contents, or a
+    GGUF file (models.gguf)."""
+    if Path(path).is_file():
+        from models.gguf import load_gguf_model  # imported here: models.gguf builds on this module
+
+        return load_gguf_model(path, dtype=dtype)
     if checkpoint_kind(path) == "orbax":
         return load_orbax(path, dtype=dtype)
     return load_hf(path, dtype=dtype)

@@ -76,11 +76,17 @@ def _chat_template(path: Path, config: dict) -> str | None:
 
 
 def load_tokenizer(path) -> Tokenizer | None:
-    """`path/tokenizer.json` with its eos ids, or None when the directory has no tokenizer.json.
+    """`path/tokenizer.json` with its eos ids, or None when the directory has no tokenizer.json; a GGUF
+    file's tokenizer from its metadata (models.gguf_tokenizer).
 
     EOS ids are the union of generation_config.json's and config.json's: instruct checkpoints list
     their end-of-turn tokens only in generation_config.json (as vLLM and transformers read it)."""
     path = Path(path)
+    if path.is_file():
+        from models.gguf import open_gguf  # imported here: models.gguf_tokenizer builds on this module
+        from models.gguf_tokenizer import gguf_tokenizer
+
+        return gguf_tokenizer(open_gguf(path))
     if not (path / "tokenizer.json").is_file():
         return None
     eos, bos = [], None

@@ -4,7 +4,7 @@
     python scripts/generate.py --model DIR --prompt 'def add(a, b):\\n' --stream --max-tokens 128
 
 DIR is a Hugging Face Llama directory (config.json, *.safetensors, tokenizer.json) or one written by
-scripts/convert_checkpoint.py. In --prompt and --prompts-file lines, \\n and \\t are newline and tab.
+scripts/convert_checkpoint.py; --model also takes a GGUF file (e.g. from scripts/fetch_model.py). In --prompt and --prompts-file lines, \\n and \\t are newline and tab.
 """
 from __future__ import annotations
 
@@ -70,7 +70,8 @@ def load(args):
     except Exception as e:  # noqa: BLE001  any failure here is the directory's: report it, not our stack
         fail(f"cannot load --model {args.model}: {type(e).__name__}: {(str(e) or '?').splitlines()[0]}")
     if tokenizer is None:
-        fail(f"--model {args.model} has no tokenizer.json, which text prompts need")
+        fail(f"--model {args.model} has no tokenizer (tokenizer.json, or tokenizer.ggml.* in a GGUF), "
+             "which text prompts need")
     return model, tokenizer
 
 
@@ -118,7 +119,7 @@ def header(i, j, num_prompts, n):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint directory (default: the embedded model)")
+    ap.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint directory or GGUF file (default: the embedded model)")
     ap.add_argument("--prompt", action="append", help="a prompt (repeatable); default: built-in Python prompts")
     ap.add_argument("--prompts-file", help="a file of prompts, one per line")
     for flag, kind, default in (("--max-tokens", int, 96), ("--temperature", float, 0.7), ("--top-p", float, 0.95),

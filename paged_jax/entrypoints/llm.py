@@ -16,10 +16,15 @@ from paged_jax.worker.sharding import AXIS, make_mesh
 # does), so that paged_jax never imports models at module level.
 MODEL_LOADERS = {"llama": "models", "qwen2": "models", "qwen3": "models", "mistral": "models",
                  "gemma2": "models"}
+# A GGUF file names its architecture inside: this module's load_gguf reads it (and refuses one it does
+# not build), parsing the metadata once for the model and the tokenizer.
+GGUF_LOADER = "models"
 
 
 def load_model(path, dtype=None):
-    """(model, tokenizer or None) from a checkpoint directory (Hugging Face or Orbax)."""
+    """(model, tokenizer or None) from a checkpoint directory (Hugging Face or Orbax) or a GGUF file."""
+    if Path(path).is_file() or Path(path).suffix == ".gguf":  # a missing .gguf: say so, not "no config.json"
+        return importlib.import_module(GGUF_LOADER).load_gguf(path, dtype=dtype)
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file}: no config.json, so {path} is not a model directory")
@@ -37,8 +42,9 @@ class LLM:
                  max_model_len=None, enable_prefix_caching=True, dtype=None, attention_backend="auto",
                  seed=0, tensor_parallel_size=1, mesh=None, num_decode_steps=8,
                  long_prefill_token_threshold=0, log_stats=True):
-        """`model`: a checkpoint directory (Hugging Face safetensors or a converted Orbax one) or a
-        model object (e.g. `models.Llama`), with an optional `tokenizer`. Memory, as vLLM's:
+        """`model`: a checkpoint directory (Hugging Face safetensors or a converted Orbax one), a GGUF
+        file (dequantized at load) or a model object (e.g. `models.Llama`), with an optional
+        `tokenizer`. Memory, as vLLM's:
         `gpu_memory_utilization` (default 0.9) is the fraction of the device this engine may use,
         weights, activation peak and KV together; `kv_cache_memory_fraction`, if given, wins and
         gives the KV that fraction of what the weights leave (see engine.config.kv_budget_bytes)."""

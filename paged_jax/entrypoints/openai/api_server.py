@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server (vLLM's `vllm serve`): FastAPI routes over an `AsyncLLM`.
 
-    python -m paged_jax.serve [--model DIR] [--host 127.0.0.1] [--port 8000] [engine flags]
+    python -m paged_jax.serve [--model DIR|FILE.gguf] [--host 127.0.0.1] [--port 8000] [engine flags]
 """
 from __future__ import annotations
 
@@ -187,7 +187,7 @@ def build_app(llm: AsyncLLM, *, model_name: str, metrics: Metrics, api_key: str 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="paged-jax-serve", description="An OpenAI-compatible server (vLLM's flags).")
-    ap.add_argument("--model", help="checkpoint directory (default: the embedded model)")
+    ap.add_argument("--model", help="checkpoint directory or GGUF file (default: the embedded model)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--served-model-name", help="the name clients ask for (default: --model as given)")

@@ -1,0 +1,201 @@
+"""GGUF files (llama.cpp's format): a Llama, Qwen2 or Qwen3 and its tokenizer from one file.
+
+The metadata gives the config (`llama.block_count`, `llama.embedding_length`, ...) and the tokenizer
+(`models.gguf_tokenizer`). Each tensor is dequantized to f32 as it is read, cast to the compute dtype
+and written into the preallocated stacked arrays, so peak host memory is about one model (as
+models.checkpoint loads safetensors). A GGUF tensor is its Hugging Face tensor under another name
+(convert_hf_to_gguf.py renames, and dims listed innermost first read back as HF's [out, in]), so the
+placement is `llama_hf_tensors`'s. One exception: llama.cpp runs a Llama with interleaved rotary
+pairs, and its converter permutes the q/k projection rows to match; they are put back into HF's
+rotate-half layout here, which models.llama assumes. Qwen2/Qwen3 are written unpermuted (llama.cpp
+runs them with the rotate-half "NEOX" rotary).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import jax
+import numpy as np
+from flax import nnx
+
+from models.checkpoint import MODEL_REGISTRY, CheckpointError, HFTensor, _abstract_model, _to_device
+from models.llama import Llama, LlamaConfig
+
+Q = gguf.GGMLQuantizationType
+# What the common files hold: full precision, Q8_0, the legacy 4-bit pair, and Q4_K_M's Q4_K + Q6_K.
+SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K)
+# general.architecture -> models.llama's model_type. llama.cpp's "llama" also covers Mistral v0.2/v0.3.
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_PERMUTED_QK = ("llama",)
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+# The part after "blk.N." -> the part after "model.layers.N." (llama.cpp's gguf-py TensorNameMap).
+_LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+                "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+_REQUIRED = object()
+
+
+def field(reader: gguf.GGUFReader, key: str, default=_REQUIRED):
+    """A metadata value (a number, a string, a bool or a list of them), `default` when absent."""
+    f = reader.get_field(key)
+    if f is None:
+        if default is _REQUIRED:
+            raise CheckpointError(f"{reader.data.filename}: required metadata {key!r} is missing")
+        return default
+    return f.contents()
+
+
+def hf_name(name: str) -> str | None:
+    """The Hugging Face tensor name of a GGUF one, None for a name llama.cpp uses and HF does not."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _decimal(value: float) -> float:
+    """A float32 of the metadata as the shortest decimal that rounds to it: what the converter was
+    given (1e-05, not 9.99999974e-06)."""
+    return float(np.format_float_positional(np.float32(value), unique=True))
+
+
+def read_config(reader: gguf.GGUFReader, *, dtype=None) -> LlamaConfig:
+    """The file's metadata as our config; `dtype` (None: float32, what every type dequantizes to
+    exactly) is the compute dtype."""
+    file = reader.data.filename
+    arch = field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"{file}: GGUF architecture {arch!r} is not supported; "
+                              f"supported: {sorted(ARCHITECTURES)}")
+
+    def get(key, default=_REQUIRED):
+        return field(reader, f"{arch}.{key}", default)
+
+    names = {t.name for t in reader.tensors}
+    heads = get("attention.head_count")
+    kv_heads = get("attention.head_count_kv", heads)
+    if isinstance(heads, list) or isinstance(kv_heads, list):
+        raise CheckpointError(f"{file}: per-layer head counts ({heads}, {kv_heads}) are not supported")
+    if get("expert_count", 0):
+        raise CheckpointError(f"{file}: a mixture of experts ({arch}.expert_count={get('expert_count')}) "
+                              "is not supported")
+    # Llama 3.1's scaled RoPE reaches a GGUF as a rope_freqs tensor of per-frequency factors, not the
+    # rope_scaling parameters models.llama takes.
+    scaling = get("rope.scaling.type", "none")
+    if scaling != "none" or "rope_freqs.weight" in names:
+        freqs = ", rope_freqs.weight" if "rope_freqs.weight" in names else ""
+        raise CheckpointError(f"{file}: scaled RoPE ({arch}.rope.scaling.type={scaling!r}{freqs}) is not supported yet")
+    hidden = get("embedding_length")
+    head_dim = get("attention.key_length", hidden // heads)
+    rotary = get("rope.dimension_count", head_dim)
+    if rotary != head_dim:
+        raise CheckpointError(f"{file}: partial rotary ({arch}.rope.dimension_count={rotary} of head_dim "
+                              f"{head_dim}) is not supported")
+    tokens = field(reader, "tokenizer.ggml.tokens", None)
+    return LlamaConfig(
+        vocab_size=len(tokens) if tokens is not None else get("vocab_size"), hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"), num_layers=get("block_count"), num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim,
+        rms_norm_eps=_decimal(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)), tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_output.bias" in names, max_position_embeddings=get("context_length"),
+        bos_token_id=field(reader, "tokenizer.ggml.bos_token_id", None),
+        eos_token_id=field(reader, "tokenizer.ggml.eos_token_id", None),
+        dtype=dtype or "float32", model_type=ARCHITECTURES[arch])
+
+
+def dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:  # -> f32 in HF's shape (the ggml dims reversed)
+    """A tensor of the file as f32 values (every supported type is exact in f32); ValueError naming the
+    tensor and its type for any other."""
+    if tensor.tensor_type not in SUPPORTED_TYPES:
+        raise ValueError(f"tensor {tensor.name!r} has type {tensor.tensor_type.name}, which is not supported; "
+                         f"supported: {', '.join(t.name for t in SUPPORTED_TYPES)}")
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    return np.asarray(values, np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
+
+
+def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:  # [num_heads * head_dim, ...] -> same
+    """Undo convert_hf_to_gguf.py's `permute` of q/k rows (weights and biases): it reshapes each head's
+    rows as (2, head_dim // 2) and swaps them, pairing dimension i with i + head_dim // 2 for
+    llama.cpp's interleaved rotary; this is its inverse."""
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _plan(reader, config: LlamaConfig) -> list[tuple[gguf.ReaderTensor, HFTensor, int | None]]:
+    """(tensor, where it goes, heads to un-permute or None) for every tensor, from the header alone:
+    names, shapes and types are checked before any weight is read."""
+    file = reader.data.filename
+    expected = MODEL_REGISTRY[config.model_type].hf_tensors(config)
+    permuted = config.model_type in _PERMUTED_QK
+    plan, seen = [], set()
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name not in expected:
+            raise CheckpointError(f"{file}: unexpected tensor {tensor.name!r} for a {config.model_type} of this config")
+        shape = tuple(reversed(tensor.shape.tolist()))
+        if shape != expected[name].shape:
+            raise CheckpointError(f"{file}: tensor {tensor.name!r} has shape {shape}, expected "
+                                  f"{expected[name].shape} from the file's metadata")
+        if tensor.tensor_type not in SUPPORTED_TYPES:
+            dequantize(tensor)  # raises, naming the tensor and its type
+        heads = None
+        if permuted and ".attn_q." in tensor.name:
+            heads = config.num_heads
+        elif permuted and ".attn_k." in tensor.name:
+            heads = config.num_kv_heads
+        plan.append((tensor, expected[name], heads))
+        seen.add(name)
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise CheckpointError(f"{file}: {len(missing)} tensors missing, first (Hugging Face name) {missing[0]!r}")
+    return plan
+
+
+def open_gguf(path) -> gguf.GGUFReader:
+    """The file's metadata parsed and its tensors memory-mapped (read when dequantized)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such GGUF file")
+    try:
+        return gguf.GGUFReader(path)
+    except ValueError as e:  # gguf-py's message for a bad magic or version
+        raise CheckpointError(f"{path}: not a GGUF file ({e}); a checkpoint is a directory or a .gguf file") from e
+
+
+def load_gguf_model(path, *, dtype=None, reader=None) -> Llama:
+    """A GGUF file -> model, each tensor dequantized on the host and cast to the compute dtype."""
+    reader = reader if reader is not None else open_gguf(path)
+    config = read_config(reader, dtype=dtype)
+    plan = _plan(reader, config)
+    graphdef, state, shapes = _abstract_model(config)
+    buffers = jax.tree.map(lambda s: np.empty(s.shape, s.dtype), shapes)
+    for tensor, t, heads in plan:
+        values = dequantize(tensor)
+        values = unpermute_qk(values, heads) if heads else values
+        values = values.T if t.transpose else values
+        target = buffers
+        for key in t.param:
+            target = target[key]
+        if t.layer is None:
+            target[...] = values.reshape(target.shape)
+        else:
+            target[t.layer] = values.reshape(target.shape[1:])
+    nnx.replace_by_pure_dict(state, _to_device(buffers))
+    return nnx.merge(graphdef, state)
+
+
+def load_gguf(path, *, dtype=None):
+    """(model, tokenizer or None) from one GGUF file, its metadata parsed once for both (parsing a
+    49k-token vocabulary is seconds of gguf-py's time)."""
+    # Imported here: models.gguf_tokenizer reads the metadata through this module's `field`.
+    from models.gguf_tokenizer import gguf_tokenizer
+
+    reader = open_gguf(path)
+    return load_gguf_model(path, dtype=dtype, reader=reader), gguf_tokenizer(reader)

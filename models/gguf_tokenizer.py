@@ -1,0 +1,112 @@
+"""A GGUF file's tokenizer (`tokenizer.ggml.*` metadata) as a Hugging Face `tokenizers.Tokenizer`,
+wrapped in models.tokenizer.Tokenizer with the file's chat template, BOS and EOS.
+
+Built the way transformers' GGUF converter builds it (integrations/gguf/gguf_tokenizer_mapping.py),
+so that both encode a text alike: a byte-level BPE over the file's tokens and merges; the split that
+`tokenizer.ggml.pre` names before the byte-level mapping (GPT-2's for a name not in the table, as
+transformers does); the tokens llama.cpp types CONTROL as special added tokens (kept whole, dropped
+by `skip_special_tokens`), USER_DEFINED ones as plain added tokens; BOS/EOS added by the
+post-processor only where `tokenizer.ggml.add_bos_token` / `add_eos_token` say so.
+
+Only byte-level vocabularies (`tokenizer.ggml.model` "gpt2": Llama 3, Qwen, SmolLM) are built. A
+SentencePiece one ("llama": Llama 2, Mistral v0.1-0.3, TinyLlama) would need merges recovered from
+its scores plus byte fallback; it is refused by name rather than built approximately.
+"""
+from __future__ import annotations
+
+import gguf
+import tokenizers
+from tokenizers import decoders, pre_tokenizers, processors
+
+from models.gguf import field
+from models.tokenizer import Tokenizer
+
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre -> the split regex, for the vocabularies of the architectures models.gguf loads.
+# Any other name (SmolLM's "smollm", "gpt2", none) gets GPT-2's regex inside the ByteLevel step, as
+# in transformers. (llama.cpp also isolates each digit for "smollm"; its vocabulary has no merge
+# across a digit, so the ids are the same.)
+PRE_TOKENIZER_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+                        "smaug-bpe": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT, "pixtral": _LLAMA3_SPLIT,
+                        "tekken": _TEKKEN_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+SUPPORTED_MODELS = ("gpt2",)
+
+
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (its `bytes_to_unicode`): printable Latin-1 bytes stand
+    for themselves, the other 68 are shifted past 255, so every byte string is spelled in text."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in kept]
+    return {**{b: chr(b) for b in kept}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str]) -> tokenizers.Tokenizer:
+    spelling = byte_alphabet()
+    alphabet = set(spelling.values())
+    # A token written in raw text (some files store a few that way) is spelled in the byte alphabet.
+    vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+             for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ")) for m in merges]
+    bad = next((m for m, p in zip(merges, pairs) if len(p) != 2), None)
+    if bad is not None:
+        raise ValueError(f"tokenizer.ggml.merges entry {bad!r} is not two tokens separated by a space")
+    return tokenizers.Tokenizer(tokenizers.models.BPE(vocab, pairs, dropout=None, fuse_unk=False,
+                                                      continuing_subword_prefix="", end_of_word_suffix=""))
+
+
+def _pre_tokenizer(pre: str | None):
+    if pre not in PRE_TOKENIZER_SPLITS:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    split = pre_tokenizers.Split(tokenizers.Regex(PRE_TOKENIZER_SPLITS[pre]), behavior="isolated")
+    return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def _post_processor(tokens, bos: int | None, eos: int | None, add_bos: bool, add_eos: bool):
+    """transformers' template for a tokenizer with these add_bos/add_eos flags; None adds nothing."""
+    add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
+    if not (add_bos or add_eos):
+        return None
+    single = " ".join([f"{tokens[bos]}:0"] * add_bos + ["$A:0"] + [f"{tokens[eos]}:0"] * add_eos)
+    pair = single + " " + " ".join([f"{tokens[bos]}:1"] * add_bos + ["$B:1"] + [f"{tokens[eos]}:1"] * add_eos)
+    special = {tokens[i]: i for i, on in ((bos, add_bos), (eos, add_eos)) if on}
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=list(special.items()))
+
+
+def gguf_tokenizer(reader: gguf.GGUFReader) -> Tokenizer | None:
+    """The tokenizer the file's metadata describes, None when it has none (token-id prompts only)."""
+    kind = field(reader, "tokenizer.ggml.model", None)
+    if kind is None:
+        return None
+    if kind not in SUPPORTED_MODELS:
+        raise ValueError(f"{reader.data.filename}: tokenizer.ggml.model {kind!r} is not supported "
+                         f"(supported: {list(SUPPORTED_MODELS)}); 'llama' is a SentencePiece vocabulary")
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    types = field(reader, "tokenizer.ggml.token_type", None) or [gguf.TokenType.NORMAL] * len(tokens)
+    tokenizer = _byte_level_bpe(tokens, field(reader, "tokenizer.ggml.merges"))
+    tokenizer.pre_tokenizer = _pre_tokenizer(field(reader, "tokenizer.ggml.pre", None))
+    tokenizer.decoder = decoders.ByteLevel()
+    ids = {key: field(reader, f"tokenizer.ggml.{key}_token_id", None)
+           for key in ("bos", "eos", "eot", "eom", "unknown", "padding")}
+    alphabet = set(byte_alphabet().values())
+    # transformers adds CONTROL tokens, and the bos/eos/unk/pad it names, as special; one spelled
+    # outside the byte alphabet is a mislabelled raw-text token and stays an ordinary one.
+    special = {i for i, t in enumerate(types) if t == gguf.TokenType.CONTROL}
+    special |= {i for key, i in ids.items() if i is not None and key in ("bos", "eos", "unknown", "padding")}
+    tokenizer.add_special_tokens([tokenizers.AddedToken(tokens[i], normalized=False, special=True)
+                                  for i in sorted(special) if set(tokens[i]) <= alphabet])
+    # llama.cpp matches USER_DEFINED tokens (e.g. `<think>`) whole in text; they are not special.
+    user = [i for i, t in enumerate(types) if t == gguf.TokenType.USER_DEFINED and set(tokens[i]) <= alphabet]
+    tokenizer.add_tokens([tokenizers.AddedToken(tokens[i], normalized=False, special=False) for i in user])
+    post = _post_processor(tokens, ids["bos"], ids["eos"], bool(field(reader, "tokenizer.ggml.add_bos_token", False)),
+                           bool(field(reader, "tokenizer.ggml.add_eos_token", False)))
+    if post is not None:
+        tokenizer.post_processor = post
+    # Generation ends at EOS, or at llama.cpp's end-of-turn / end-of-message tokens when the file names them.
+    eos = tuple(dict.fromkeys(i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None))
+    return Tokenizer(tokenizer, eos, ids["bos"], chat_template=field(reader, "tokenizer.chat_template", None))

@@ -1,0 +1,101 @@
+"""The block formats of ggml's quant types, decoded one value at a time as ggml-quants.c's
+`dequantize_row_*` reference functions do (and `ggml_compute_bf16_to_fp32`): an independent
+reference for models.gguf, which dequantizes through gguf-py's vectorised numpy. Arithmetic is in
+f32 in C's order, so the results are exactly C's. Also: random raw blocks of each type, with sane
+f16 scales (random bytes there could be NaN or inf)."""
+import numpy as np
+
+# type name -> (values per block, bytes per block), from ggml-common.h's block structs
+BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210),
+          "Q5_K": (256, 176), "IQ2_XXS": (256, 66), "Q5_0": (32, 22)}
+F32 = np.float32
+
+
+def _f16(b: bytes) -> np.float32:
+    return F32(np.frombuffer(b, np.float16)[0])
+
+
+def _q8_0(b: bytes) -> list:  # block_q8_0 { ggml_half d; int8_t qs[32]; }
+    d, qs = _f16(b[0:2]), np.frombuffer(b[2:34], np.int8)
+    return [F32(qs[j]) * d for j in range(32)]
+
+
+def _q4_0(b: bytes) -> list:  # block_q4_0 { ggml_half d; uint8_t qs[16]; }
+    d, qs, y = _f16(b[0:2]), b[2:18], [None] * 32
+    for j in range(16):
+        y[j] = F32((qs[j] & 0x0F) - 8) * d
+        y[j + 16] = F32((qs[j] >> 4) - 8) * d
+    return y
+
+
+def _q4_1(b: bytes) -> list:  # block_q4_1 { ggml_half d; ggml_half m; uint8_t qs[16]; }
+    d, m, qs, y = _f16(b[0:2]), _f16(b[2:4]), b[4:20], [None] * 32
+    for j in range(16):
+        y[j] = F32(qs[j] & 0x0F) * d + m
+        y[j + 16] = F32(qs[j] >> 4) * d + m
+    return y
+
+
+def _scale_min_k4(j: int, q: bytes) -> tuple[int, int]:  # get_scale_min_k4
+    if j < 4:
+        return q[j] & 63, q[j + 4] & 63
+    return (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
+
+
+def _q4_k(b: bytes) -> list:  # block_q4_K { ggml_half d, dmin; uint8_t scales[12]; uint8_t qs[128]; }
+    d, dmin, scales, q, y = _f16(b[0:2]), _f16(b[2:4]), b[4:16], b[16:144], []
+    for j in range(4):  # 64 values per step: 32 low nibbles, then 32 high ones, each with its scale
+        sc, m = _scale_min_k4(2 * j, scales)
+        d1, m1 = d * F32(sc), dmin * F32(m)
+        sc, m = _scale_min_k4(2 * j + 1, scales)
+        d2, m2 = d * F32(sc), dmin * F32(m)
+        y += [d1 * F32(q[32 * j + l] & 0xF) - m1 for l in range(32)]
+        y += [d2 * F32(q[32 * j + l] >> 4) - m2 for l in range(32)]
+    return y
+
+
+def _q6_k(b: bytes) -> list:  # block_q6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; ggml_half d; }
+    ql, qh, sc, d = b[0:128], b[128:192], np.frombuffer(b[192:208], np.int8), _f16(b[208:210])
+    y = [None] * 256
+    for n in range(2):  # 128 values per half, from 64 ql bytes, 32 qh bytes and 8 scales
+        lo, hi, s, out = 64 * n, 32 * n, 8 * n, 128 * n
+        for l in range(32):
+            i = l // 16
+            q1 = ((ql[lo + l] & 0xF) | (((qh[hi + l] >> 0) & 3) << 4)) - 32
+            q2 = ((ql[lo + l + 32] & 0xF) | (((qh[hi + l] >> 2) & 3) << 4)) - 32
+            q3 = ((ql[lo + l] >> 4) | (((qh[hi + l] >> 4) & 3) << 4)) - 32
+            q4 = ((ql[lo + l + 32] >> 4) | (((qh[hi + l] >> 6) & 3) << 4)) - 32
+            y[out + l] = d * F32(sc[s + i]) * F32(q1)
+            y[out + l + 32] = d * F32(sc[s + i + 2]) * F32(q2)
+            y[out + l + 64] = d * F32(sc[s + i + 4]) * F32(q3)
+            y[out + l + 96] = d * F32(sc[s + i + 6]) * F32(q4)
+    return y
+
+
+_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k}
+
+
+def decode(kind: str, raw: np.ndarray) -> np.ndarray:  # u8[rows, bytes_per_row] -> f32[rows, cols]
+    """What ggml's reference dequantizes `raw` (the file's bytes, row-major) to."""
+    if kind == "F32":
+        return raw.view(np.float32).copy()
+    if kind == "F16":
+        return raw.view(np.float16).astype(np.float32)
+    if kind == "BF16":  # the top half of an f32's bits
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    size = BLOCKS[kind][1]
+    return np.array([[y for i in range(0, len(row), size) for y in _DECODERS[kind](bytes(row[i:i + size]))]
+                     for row in raw], np.float32)
+
+
+def random_blocks(kind: str, rng, rows: int, blocks_per_row: int, scale=(1e-3, 1e-1)) -> np.ndarray:
+    """Random raw blocks of `kind` -> u8[rows, bytes_per_row]; its f16 scale fields are in `scale` in
+    magnitude, either sign."""
+    _, size = BLOCKS[kind]
+    raw = rng.integers(0, 256, (rows, blocks_per_row, size), dtype=np.uint8)
+    scale_at = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,), "Q5_K": (0, 2),
+                "IQ2_XXS": (0,), "Q5_0": (0,)}[kind]
+    for at in scale_at:
+        scales = (rng.uniform(*scale, (rows, blocks_per_row)) * rng.choice([-1, 1], (rows, blocks_per_row)))
+        raw[..., at:at + 2] = scales.astype(np.float16).view(np.uint8).reshape(rows, blocks_per_row, 2)
+    return raw.reshape(rows, blocks_per_row * size)

@@ -1,0 +1,186 @@
+"""models.gguf on small files written here: every supported quant type dequantizes to what ggml's
+reference decoder gives (tests/models/ggml_blocks.py), an unsupported one is refused by tensor and
+type, and tiny Llama / Qwen2 / Qwen3 files written as llama.cpp writes them (q/k rows permuted for a
+Llama) load to exactly the model they were written from, through `LLM("file.gguf")` too."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ggml_blocks import BLOCKS, decode, random_blocks
+from gguf_testing import Q, hf_state, permute, save_hf_dir, write_gguf
+from model_testing import dense_logits, max_rel_err, random_model, tiny_config
+from models import gguf as G
+from models.checkpoint import CheckpointError, load_model
+from paged_jax import LLM, SamplingParams
+
+KINDS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+FAMILIES = {"llama": dict(), "llama_tied": dict(tie_word_embeddings=True),
+            # Qwen2: q/k/v biases, tied; Qwen3: q/k norms over a head_dim (32) that is not hidden / heads.
+            "qwen2": dict(model_type="qwen2", tie_word_embeddings=True, rope_theta=1e6),
+            "qwen3": dict(model_type="qwen3", head_dim=32)}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+PROMPTS = [[5, 17, 99, 3, 42, 7, 120], [64, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
+
+
+def pure(model):
+    """The model's parameters as nested dicts of numpy arrays."""
+    return as_numpy(nnx.to_pure_dict(nnx.state(model)))
+
+
+def as_numpy(tree):
+    return {k: as_numpy(v) if isinstance(v, dict) else np.asarray(v) for k, v in tree.items()}
+
+
+def cast(tree, dtype):
+    return {k: cast(v, dtype) if isinstance(v, dict) else v.astype(dtype) for k, v in tree.items()}
+
+
+def assert_same_params(actual, expected, path=()):
+    assert actual.keys() == expected.keys(), path
+    for key in expected:
+        if isinstance(expected[key], dict):
+            assert_same_params(actual[key], expected[key], path + (key,))
+        else:
+            np.testing.assert_array_equal(actual[key], expected[key], err_msg=str(path + (key,)))
+
+
+def blocks_file(tmp_path, kinds, rows=3, blocks_per_row=2):
+    """A GGUF of one tensor per kind, random raw blocks (random values for F32/F16/BF16) -> (reader,
+    {kind: the raw bytes u8[rows, bytes_per_row]})."""
+    rng = np.random.default_rng(0)
+    writer = G.gguf.GGUFWriter(str(tmp_path / "blocks.gguf"), "llama")
+    raws = {}
+    for kind in kinds:
+        if kind in ("F32", "F16", "BF16"):
+            values = rng.standard_normal((rows, 32 * blocks_per_row)).astype(np.float32)
+            data = values.astype(np.float16) if kind == "F16" else values
+            raws[kind] = data.view(np.uint8) if kind != "BF16" else G.gguf.quants.quantize(values, Q.BF16)
+            writer.add_tensor(f"t.{kind}", data if kind != "BF16" else raws[kind],
+                              raw_dtype=Q.BF16 if kind == "BF16" else None)
+        else:
+            raws[kind] = random_blocks(kind, rng, rows, blocks_per_row)
+            writer.add_tensor(f"t.{kind}", raws[kind], raw_dtype=Q[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return G.open_gguf(tmp_path / "blocks.gguf"), raws
+
+
+def test_every_supported_type_dequantizes_as_ggml_reference(tmp_path):
+    reader, raws = blocks_file(tmp_path, KINDS)
+    assert [t.tensor_type.name for t in reader.tensors] == list(KINDS)
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        values = G.dequantize(tensor)
+        per_block = BLOCKS.get(kind, (32, None))[0]
+        assert values.dtype == np.float32 and values.shape == (3, 2 * per_block), kind
+        np.testing.assert_array_equal(values, decode(kind, raws[kind]), err_msg=kind)
+        assert np.isfinite(values).all() and np.abs(values).max() > 0, kind
+
+
+@pytest.mark.parametrize("kind", ["Q5_K", "IQ2_XXS"])
+def test_an_unsupported_type_names_the_tensor_and_the_type(tmp_path, kind):
+    reader, _ = blocks_file(tmp_path, [kind], blocks_per_row=1)
+    with pytest.raises(ValueError, match=rf"tensor 't\.{kind}' has type {kind}, which is not supported; "
+                                         r"supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K"):
+        G.dequantize(reader.tensors[0])
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_float32_file_loads_to_the_model_it_was_written_from(tmp_path, family):
+    model = random_model(tiny_config(vocab_size=256, **FAMILIES[family]))
+    write_gguf(tmp_path / "m.gguf", model)
+    reader = G.open_gguf(tmp_path / "m.gguf")
+    if family.startswith("llama"):  # the file's q/k rows really are llama.cpp's, not HF's
+        stored = G.dequantize(next(t for t in reader.tensors if t.name == "blk.0.attn_k.weight"))
+        expected = hf_state(model)["model.layers.0.self_attn.k_proj.weight"]
+        assert not np.array_equal(stored, expected)
+        np.testing.assert_array_equal(stored, permute(expected, model.config.num_kv_heads))
+    loaded = load_model(tmp_path / "m.gguf")
+    assert loaded.config == model.config
+    assert_same_params(pure(loaded), pure(model))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_logits_match_transformers_reading_the_same_file(tmp_path, family):
+    """transformers' own GGUF reader (its config mapping, its q/k un-permute) on the file we load."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers needs it to read a GGUF
+    # transformers' qwen3 GGUF mapping ignores attention.key_length: its head_dim is Qwen3Config's 128.
+    extra = dict(hidden_size=512, num_heads=4, head_dim=128) if family == "qwen3" else {}
+    model = random_model(tiny_config(vocab_size=256, **{**FAMILIES[family], **extra}))
+    write_gguf(tmp_path / "m.gguf", model)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf").eval()
+    with torch.no_grad():
+        expected = hf(torch.tensor(PROMPTS[1])[None]).logits[0].numpy()
+    actual = dense_logits(load_model(tmp_path / "m.gguf"), jnp.asarray(PROMPTS[1])[None])[0]
+    assert max_rel_err(actual, expected) <= 1e-5
+
+
+def test_bfloat16_casts_each_dequantized_tensor(tmp_path):
+    model = random_model(tiny_config(vocab_size=256))
+    write_gguf(tmp_path / "m.gguf", model)
+    loaded = load_model(tmp_path / "m.gguf", dtype="bfloat16")
+    assert loaded.config.dtype == "bfloat16"
+    assert_same_params(pure(loaded), cast(pure(model), jnp.bfloat16))
+
+
+def test_quantized_llama_through_llm_matches_its_dequantized_safetensors_copy(tmp_path):
+    """Matrices in every quant type, norms in F16: `LLM("m.gguf")` gives the logits and greedy tokens
+    of a safetensors checkpoint holding what the blocks decode to (by gguf-py, checked against the
+    reference decoder above). Hidden 256, so that K-quant blocks (256 values) fit its rows; gguf-py
+    cannot make K-quants, so those tensors are random blocks of small scale."""
+    config = tiny_config(vocab_size=256, hidden_size=256, intermediate_size=256)
+    model = random_model(config)
+    rng = np.random.default_rng(2)
+    types = {"token_embd.weight": Q.Q8_0, "output_norm.weight": Q.F16}
+    raw = {"output.weight": (random_blocks("Q6_K", rng, 256, 1, (1e-4, 1e-3)), Q.Q6_K)}
+    for i in range(config.num_layers):
+        types.update({f"blk.{i}.attn_v.weight": Q.Q8_0, f"blk.{i}.attn_output.weight": Q.Q4_0,
+                      f"blk.{i}.ffn_gate.weight": Q.Q4_1, f"blk.{i}.ffn_up.weight": Q.BF16,
+                      f"blk.{i}.attn_norm.weight": Q.F16})
+        raw.update({f"blk.{i}.attn_q.weight": (random_blocks("Q4_K", rng, 64, 1, (1e-4, 1e-3)), Q.Q4_K),
+                    f"blk.{i}.attn_k.weight": (random_blocks("Q6_K", rng, 32, 1, (1e-4, 1e-3)), Q.Q6_K),
+                    f"blk.{i}.ffn_down.weight": (random_blocks("Q4_K", rng, 256, 1, (1e-4, 1e-3)), Q.Q4_K)})
+    meant = write_gguf(tmp_path / "m.gguf", model, types=types, raw=raw)
+    assert {t.tensor_type.name for t in G.open_gguf(tmp_path / "m.gguf").tensors} == set(KINDS)
+    reference = save_hf_dir(tmp_path / "ref", config, meant)
+    from_gguf, from_dir = load_model(tmp_path / "m.gguf"), load_model(reference)
+    assert_same_params(pure(from_gguf), pure(from_dir))
+    tokens = jnp.asarray(PROMPTS[1])[None]
+    np.testing.assert_array_equal(dense_logits(from_gguf, tokens), dense_logits(from_dir, tokens))
+    kw = dict(block_size=8, num_blocks=32, max_num_seqs=2, max_model_len=64, log_stats=False)
+    greedy = [o.outputs[0].token_ids for o in LLM(str(tmp_path / "m.gguf"), **kw).generate(PROMPTS, GREEDY)]
+    assert greedy == [o.outputs[0].token_ids for o in LLM(str(reference), **kw).generate(PROMPTS, GREEDY)]
+    # The quantization is real: f32 weights would answer differently somewhere.
+    assert not np.array_equal(np.asarray(dense_logits(from_gguf, tokens)), np.asarray(dense_logits(model, tokens)))
+
+
+def test_an_unsupported_type_in_a_model_file_fails_before_any_weight_is_read(tmp_path):
+    model = random_model(tiny_config(vocab_size=256))
+    rng = np.random.default_rng(1)
+    raw = {"blk.1.ffn_up.weight": (random_blocks("Q5_0", rng, 128, 2), Q.Q5_0)}
+    write_gguf(tmp_path / "m.gguf", model, raw=raw)
+    with pytest.raises(ValueError, match=r"tensor 'blk\.1\.ffn_up\.weight' has type Q5_0, which is not supported"):
+        LLM(str(tmp_path / "m.gguf"), num_blocks=16, log_stats=False)
+
+
+def test_unsupported_files_are_refused_by_name(tmp_path):
+    model = random_model(tiny_config(vocab_size=256))
+    write_gguf(tmp_path / "m.gguf", model)
+    data = (tmp_path / "m.gguf").read_bytes()
+    # The same bytes under another architecture (every "llama" of the keys renamed with it).
+    (tmp_path / "g.gguf").write_bytes(data.replace(b"llama", b"gemma"))
+    with pytest.raises(ValueError, match=r"GGUF architecture 'gemma' is not supported; "
+                                         r"supported: \['llama', 'qwen2', 'qwen3'\]"):
+        LLM(str(tmp_path / "g.gguf"), num_blocks=16, log_stats=False)
+    (tmp_path / "x.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(CheckpointError, match=r"x\.gguf: not a GGUF file"):
+        load_model(tmp_path / "x.gguf")
+    linear = {"llama.rope.scaling.type": ("linear", G.gguf.GGUFValueType.STRING)}
+    write_gguf(tmp_path / "s.gguf", model, metadata=linear)
+    with pytest.raises(CheckpointError, match=r"scaled RoPE \(llama\.rope\.scaling\.type='linear'\) is not"):
+        load_model(tmp_path / "s.gguf")
