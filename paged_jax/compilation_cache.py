@@ -9,13 +9,15 @@ from pathlib import Path
 import jax
 
 
-def default_cache_dir() -> Path:
-    """$PAGED_JAX_CACHE_DIR, else $XDG_CACHE_HOME/paged-jax/jax, else ~/.cache/paged-jax/jax (the XDG
-    base-directory default)."""
+def default_cache_dir(kind: str = "jax") -> Path:
+    """Where paged-jax keeps `kind`: "jax" (compiled programs) in $PAGED_JAX_CACHE_DIR, anything else
+    (e.g. "models", scripts/fetch_model.py's) in $PAGED_JAX_CACHE_DIR/<kind>; without that variable
+    $XDG_CACHE_HOME/paged-jax/<kind>, else ~/.cache/paged-jax/<kind> (the XDG base-directory default)."""
     if os.environ.get("PAGED_JAX_CACHE_DIR"):
-        return Path(os.environ["PAGED_JAX_CACHE_DIR"]).expanduser()
+        root = Path(os.environ["PAGED_JAX_CACHE_DIR"]).expanduser()
+        return root if kind == "jax" else root / kind
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "paged-jax" / "jax"
+    return Path(base).expanduser() / "paged-jax" / kind
 
 
 def enable(cache_dir=None) -> Path:

