@@ -12,6 +12,7 @@ runs them with the rotate-half "NEOX" rotary).
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import gguf
@@ -20,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from models.checkpoint import MODEL_REGISTRY, CheckpointError, HFTensor, _abstract_model, _to_device
-from models.llama import Llama, LlamaConfig
+from models.llama import Llama, LlamaConfig, rope_inv_freq
 
 Q = gguf.GGMLQuantizationType
 # What the common files hold: full precision, Q8_0, the legacy 4-bit pair, and Q4_K_M's Q4_K + Q6_K.
@@ -37,6 +38,10 @@ _LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "a
                 "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                 "ffn_down": "mlp.down_proj"}
 _REQUIRED = object()
+# Meta's Llama 3.1 / 3.2 RoPE scaling but for its factor: a GGUF keeps only the per-frequency factors
+# these give (convert_hf_to_gguf.py writes them as rope_freqs.weight), so they are checked, not read.
+_LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)
 
 
 def field(reader: gguf.GGUFReader, key: str, default=_REQUIRED):
@@ -85,12 +90,9 @@ def read_config(reader: gguf.GGUFReader, *, dtype=None) -> LlamaConfig:
     if get("expert_count", 0):
         raise CheckpointError(f"{file}: a mixture of experts ({arch}.expert_count={get('expert_count')}) "
                               "is not supported")
-    # Llama 3.1's scaled RoPE reaches a GGUF as a rope_freqs tensor of per-frequency factors, not the
-    # rope_scaling parameters models.llama takes.
     scaling = get("rope.scaling.type", "none")
-    if scaling != "none" or "rope_freqs.weight" in names:
-        freqs = ", rope_freqs.weight" if "rope_freqs.weight" in names else ""
-        raise CheckpointError(f"{file}: scaled RoPE ({arch}.rope.scaling.type={scaling!r}{freqs}) is not supported yet")
+    if scaling != "none":
+        raise CheckpointError(f"{file}: scaled RoPE ({arch}.rope.scaling.type={scaling!r}) is not supported yet")
     hidden = get("embedding_length")
     head_dim = get("attention.key_length", hidden // heads)
     rotary = get("rope.dimension_count", head_dim)
@@ -98,7 +100,7 @@ def read_config(reader: gguf.GGUFReader, *, dtype=None) -> LlamaConfig:
         raise CheckpointError(f"{file}: partial rotary ({arch}.rope.dimension_count={rotary} of head_dim "
                               f"{head_dim}) is not supported")
     tokens = field(reader, "tokenizer.ggml.tokens", None)
-    return LlamaConfig(
+    config = LlamaConfig(
         vocab_size=len(tokens) if tokens is not None else get("vocab_size"), hidden_size=hidden,
         intermediate_size=get("feed_forward_length"), num_layers=get("block_count"), num_heads=heads,
         num_kv_heads=kv_heads, head_dim=head_dim,
@@ -108,6 +110,18 @@ def read_config(reader: gguf.GGUFReader, *, dtype=None) -> LlamaConfig:
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id", None),
         eos_token_id=field(reader, "tokenizer.ggml.eos_token_id", None),
         dtype=dtype or "float32", model_type=ARCHITECTURES[arch])
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    return config if rope_freqs is None else _llama3_rope(config, dequantize(rope_freqs), file)
+
+
+def _llama3_rope(config: LlamaConfig, factors: np.ndarray, file) -> LlamaConfig:  # factors f32[head_dim // 2]
+    """`config` with the Llama 3 rope_scaling whose frequencies are the base ones over `factors`."""
+    scaled = dataclasses.replace(config, rope_scaling={**_LLAMA3_ROPE, "factor": float(factors.max())})
+    base = 1.0 / config.rope_theta ** (np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim)
+    if factors.shape != base.shape or not np.allclose(rope_inv_freq(scaled), base / factors, rtol=1e-5, atol=0):
+        raise CheckpointError(f"{file}: rope_freqs.weight holds factors that Llama 3's RoPE scaling "
+                              f"({dict(scaled.rope_scaling)}) does not give; other scalings are not supported")
+    return scaled
 
 
 def dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:  # -> f32 in HF's shape (the ggml dims reversed)
@@ -136,6 +150,8 @@ def _plan(reader, config: LlamaConfig) -> list[tuple[gguf.ReaderTensor, HFTensor
     permuted = config.model_type in _PERMUTED_QK
     plan, seen = [], set()
     for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight" and config.rope_scaling is not None:
+            continue  # read by read_config: models.llama computes the scaled frequencies itself
         name = hf_name(tensor.name)
         if name not in expected:
             raise CheckpointError(f"{file}: unexpected tensor {tensor.name!r} for a {config.model_type} of this config")

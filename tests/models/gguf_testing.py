@@ -5,6 +5,7 @@ quantized bytes are gguf-py's `quantize` (or raw blocks the caller builds)."""
 from __future__ import annotations
 
 import json
+import math
 
 import gguf
 import numpy as np
@@ -73,6 +74,8 @@ def write_gguf(path, model, *, types=None, raw=None, metadata=None) -> dict[str,
         writer.add_key_value(key, value, kind)
     names = gguf.get_tensor_name_map(_ARCH[arch], c.num_layers)
     meant = {}
+    if c.rope_scaling is not None:
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(c))
     for hf, values in hf_state(model).items():
         base, suffix = hf.rsplit(".", 1)
         name = f"{names.get_name(base)}.{suffix}"
@@ -95,6 +98,28 @@ def write_gguf(path, model, *, types=None, raw=None, metadata=None) -> dict[str,
     writer.write_tensors_to_file()
     writer.close()
     return meant
+
+
+def llama3_rope_factors(config) -> np.ndarray:  # f32[head_dim // 2]
+    """convert_hf_to_gguf.py `LlamaModel.generate_extra_tensors` for rope_type "llama3"."""
+    s = dict(config.rope_scaling)
+    factor, low_freq_factor, high_freq_factor = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_context_len = s["original_max_position_embeddings"]
+    base, dim = config.rope_theta, config.head_dim
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    rope_factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            rope_factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            rope_factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            rope_factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(rope_factors, dtype=np.float32)
 
 
 def unpermute(weights: np.ndarray, n_head: int) -> np.ndarray:

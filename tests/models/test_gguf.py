@@ -9,7 +9,7 @@ from flax import nnx
 
 from ggml_blocks import BLOCKS, decode, random_blocks
 from gguf_testing import Q, hf_state, permute, save_hf_dir, write_gguf
-from model_testing import dense_logits, max_rel_err, random_model, tiny_config
+from model_testing import LLAMA3_SCALING, dense_logits, max_rel_err, random_model, tiny_config
 from models import gguf as G
 from models.checkpoint import CheckpointError, load_model
 from paged_jax import LLM, SamplingParams
@@ -18,7 +18,10 @@ KINDS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 FAMILIES = {"llama": dict(), "llama_tied": dict(tie_word_embeddings=True),
             # Qwen2: q/k/v biases, tied; Qwen3: q/k norms over a head_dim (32) that is not hidden / heads.
             "qwen2": dict(model_type="qwen2", tie_word_embeddings=True, rope_theta=1e6),
-            "qwen3": dict(model_type="qwen3", head_dim=32)}
+            "qwen3": dict(model_type="qwen3", head_dim=32),
+            # Llama 3.2's RoPE scaling (factor 32): head_dim 16 has short, blended and long wavelengths.
+            "llama3_rope": dict(rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                                  high_freq_factor=4.0, original_max_position_embeddings=8192))}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PROMPTS = [[5, 17, 99, 3, 42, 7, 120], [64, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
 
@@ -180,6 +183,10 @@ def test_unsupported_files_are_refused_by_name(tmp_path):
     (tmp_path / "x.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(CheckpointError, match=r"x\.gguf: not a GGUF file"):
         load_model(tmp_path / "x.gguf")
+    model = random_model(tiny_config(vocab_size=256, rope_scaling=LLAMA3_SCALING))  # original 64, not Meta's 8192
+    write_gguf(tmp_path / "r.gguf", model)
+    with pytest.raises(CheckpointError, match=r"rope_freqs\.weight holds factors that Llama 3's RoPE scaling "):
+        load_model(tmp_path / "r.gguf")
     linear = {"llama.rope.scaling.type": ("linear", G.gguf.GGUFValueType.STRING)}
     write_gguf(tmp_path / "s.gguf", model, metadata=linear)
     with pytest.raises(CheckpointError, match=r"scaled RoPE \(llama\.rope\.scaling\.type='linear'\) is not"):
