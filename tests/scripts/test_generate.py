@@ -137,3 +137,12 @@ def test_chat_sends_each_prompt_through_the_chat_template(tmp_path, capsys):
     assert capsys.readouterr().err.splitlines() == [
         "generate.py: error: --chat: the model has no chat template (no chat_template.jinja and none in "
         "tokenizer_config.json)"]
+
+
+def test_a_gguf_file_brings_its_tokenizer_and_chat_template(smollm2_gguf, capsys):
+    """--model FILE.gguf --chat on the real SmolLM2 file: its greedy answer, whole (it stops at <|im_end|>)."""
+    generate.main(["--model", str(smollm2_gguf), "--chat", "--prompt", "What is the capital of France?",
+                   "--max-tokens", "32", "--temperature", "0", "--no-compilation-cache"])
+    printed = capsys.readouterr().out
+    assert printed.startswith("\n=== prompt 1/1 ===\nWhat is the capital of France?The capital of France is Paris.\n")
+    assert STATS.findall(printed) == [("1", "8")]
