@@ -104,6 +104,8 @@ def hf_llama(model, num_threads: int | None = None):
         x = np.asarray(x if t.layer is None else x[t.layer], np.float32)
         x = x.reshape(t.shape[::-1]).T if t.transpose else x.reshape(t.shape)
         state[name] = torch.from_numpy(np.array(x)).to(getattr(torch, c.dtype))
+    if c.tie_word_embeddings:  # transformers 5 lists the tied head in the state dict too
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
     hf.load_state_dict(state, strict=True)
     hf.generation_config.eos_token_id = None  # ignore_eos, as every other row of the table
     return hf
