@@ -1,0 +1,20 @@
+"""scripts/benchmark_gguf.py in smoke mode on the real SmolLM2 file: per batch size, the engine's
+row and transformers' on the same dequantized weights (a tied model, through baselines.hf_llama),
+with the same greedy tokens. Counts and ratios are checked, never timings."""
+import json
+
+from scripts import baselines, benchmark_gguf
+
+
+def test_engine_and_transformers_side_by_side(smollm2_gguf, tmp_path, capsys):
+    out = tmp_path / "result.json"
+    benchmark_gguf.main(["--model", str(smollm2_gguf), "--batch-sizes", "1", "2", "--output-len", "6",
+                         "--torch-threads", "1", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    with_hf = baselines.hf_available()
+    names = ["paged-jax (block_size 16)"] + ["HF generate (torch), static batch {}"] * with_hf
+    assert [(r["batch"], r["name"]) for r in rows] == [(b, n.format(b)) for b in (1, 2) for n in names]
+    for row in rows:
+        assert row["same_tokens"] == 1.0 and row["output_tok_s"] > 0, row
+    assert [r["ratio"] for r in rows if r["name"].startswith("HF")] == [1.0, 1.0] * with_hf
+    assert "output tok/s" in capsys.readouterr().out
