@@ -26,7 +26,8 @@ from models.llama import Llama, LlamaConfig, rope_inv_freq
 Q = gguf.GGMLQuantizationType
 # What the common files hold: full precision, Q8_0, the legacy 4-bit pair, and Q4_K_M's Q4_K + Q6_K.
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K)
-# general.architecture -> models.llama's model_type. llama.cpp's "llama" also covers Mistral v0.2/v0.3.
+# general.architecture -> models.llama's model_type (llama.cpp writes Mistral as "llama" too, but with a
+# SentencePiece vocabulary, which models.gguf_tokenizer refuses).
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _PERMUTED_QK = ("llama",)
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",

@@ -183,10 +183,16 @@ def test_unsupported_files_are_refused_by_name(tmp_path):
     (tmp_path / "x.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(CheckpointError, match=r"x\.gguf: not a GGUF file"):
         load_model(tmp_path / "x.gguf")
-    model = random_model(tiny_config(vocab_size=256, rope_scaling=LLAMA3_SCALING))  # original 64, not Meta's 8192
-    write_gguf(tmp_path / "r.gguf", model)
+    scaled = random_model(tiny_config(vocab_size=256, rope_scaling=LLAMA3_SCALING))  # original 64, not Meta's 8192
+    write_gguf(tmp_path / "r.gguf", scaled)
     with pytest.raises(CheckpointError, match=r"rope_freqs\.weight holds factors that Llama 3's RoPE scaling "):
         load_model(tmp_path / "r.gguf")
+    assert G.load_gguf(tmp_path / "m.gguf")[1] is None  # no tokenizer.ggml.*: token-id prompts only
+    spm = {"tokenizer.ggml.model": ("llama", G.gguf.GGUFValueType.STRING)}
+    write_gguf(tmp_path / "t.gguf", model, metadata=spm)
+    with pytest.raises(ValueError, match=r"tokenizer\.ggml\.model 'llama' is not supported "
+                                         r"\(supported: \['gpt2'\]\); 'llama' is a SentencePiece vocabulary"):
+        G.load_gguf(tmp_path / "t.gguf")
     linear = {"llama.rope.scaling.type": ("linear", G.gguf.GGUFValueType.STRING)}
     write_gguf(tmp_path / "s.gguf", model, metadata=linear)
     with pytest.raises(CheckpointError, match=r"scaled RoPE \(llama\.rope\.scaling\.type='linear'\) is not"):
