@@ -78,16 +78,20 @@ def test_tokenizer_and_chat_template_match_transformers(smollm2, hf_tokenizer):
             assert tokenizer.decode(ids, skip_special_tokens=skip) == hf_tokenizer.decode(ids, skip_special_tokens=skip)
 
 
-def test_bos_and_the_llama3_split_match_transformers(tmp_path, smollm2_gguf):
-    """The same vocabulary relabelled: add_bos_token true and tokenizer.ggml.pre "llama-bpe" (Llama 3's
-    split regex: among other things, punctuation takes the line breaks after it)."""
+def test_bos_special_tokens_and_the_llama3_split_match_transformers(tmp_path, smollm2_gguf):
+    """The same vocabulary relabelled: add_bos_token true, tokenizer.ggml.pre "llama-bpe" (Llama 3's
+    split regex: among other things, punctuation takes the line breaks after it), and token types
+    all NORMAL but one CONTROL and one USER_DEFINED (the named bos/eos/unk tokens stay special)."""
     transformers = pytest.importorskip("transformers")
     source = open_gguf(smollm2_gguf)
     writer = gguf.GGUFWriter(str(tmp_path / "tok.gguf"), "llama")
-    for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
-                "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.chat_template"):
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",
+                "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id", "tokenizer.chat_template"):
         f = source.get_field(key)
         writer.add_key_value(key, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+    types = [gguf.TokenType.NORMAL] * 49152
+    types[5], types[7] = gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED  # <file_sep>, <gh_stars>
+    writer.add_token_types(types)
     writer.add_tokenizer_pre("llama-bpe")
     writer.add_add_bos_token(True)
     writer.write_header_to_file()
@@ -95,8 +99,11 @@ def test_bos_and_the_llama3_split_match_transformers(tmp_path, smollm2_gguf):
     writer.close()
     ours = gguf_tokenizer(open_gguf(tmp_path / "tok.gguf"))
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tok.gguf")
-    for text in TEXTS:
-        assert ours.encode(text) == theirs(text).input_ids, text
+    for text in TEXTS + ["<|endoftext|><repo_name><file_sep><gh_stars>"]:
+        ids = ours.encode(text)
+        assert ids == theirs(text).input_ids, text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+    assert ours.encode("<|endoftext|><repo_name><file_sep><gh_stars>") == [1, 0, 44, 22139, 79, 1245, 46, 5, 7]
     # "!!!" then "\n\n" as one piece under Llama 3's split, two "\n" under GPT-2's (SmolLM's own).
     assert ours.encode("hello!!!\n\nworld") == [1, 28120, 29646, 1116, 6693]
     assert gguf_tokenizer(source).encode("hello!!!\n\nworld") == [28120, 29646, 198, 198, 6693]
