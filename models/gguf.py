@@ -24,8 +24,10 @@ from models.checkpoint import MODEL_REGISTRY, CheckpointError, HFTensor, _abstra
 from models.llama import Llama, LlamaConfig, rope_inv_freq
 
 Q = gguf.GGMLQuantizationType
-# What the common files hold: full precision, Q8_0, the legacy 4-bit pair, and Q4_K_M's Q4_K + Q6_K.
-SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K)
+# What the common files hold: full precision, Q8_0, the legacy 4- and 5-bit types, and the K-quants of
+# Q4_K_M / Q5_K_M (Q4_K, Q5_K, Q6_K; llama.cpp writes rows whose length is not a multiple of 256 as
+# Q5_0, Q5_1 or Q8_0 instead, e.g. SmolLM2's 576).
+SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # general.architecture -> models.llama's model_type (llama.cpp writes Mistral as "llama" too, but with a
 # SentencePiece vocabulary, which models.gguf_tokenizer refuses).
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}

@@ -6,8 +6,8 @@ f16 scales (random bytes there could be NaN or inf)."""
 import numpy as np
 
 # type name -> (values per block, bytes per block), from ggml-common.h's block structs
-BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210),
-          "Q5_K": (256, 176), "IQ2_XXS": (256, 66), "Q5_0": (32, 22)}
+BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
+          "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q2_K": (256, 84), "IQ2_XXS": (256, 66), "IQ4_NL": (32, 18)}
 F32 = np.float32
 
 
@@ -36,6 +36,26 @@ def _q4_1(b: bytes) -> list:  # block_q4_1 { ggml_half d; ggml_half m; uint8_t q
     return y
 
 
+def _q5_0(b: bytes) -> list:  # block_q5_0 { ggml_half d; uint8_t qh[4]; uint8_t qs[16]; }
+    d, qh, qs, y = _f16(b[0:2]), int.from_bytes(b[2:6], "little"), b[6:22], [None] * 32
+    for j in range(16):
+        xh_0 = ((qh >> (j + 0)) << 4) & 0x10
+        xh_1 = (qh >> (j + 12)) & 0x10
+        y[j] = F32(((qs[j] & 0x0F) | xh_0) - 16) * d
+        y[j + 16] = F32(((qs[j] >> 4) | xh_1) - 16) * d
+    return y
+
+
+def _q5_1(b: bytes) -> list:  # block_q5_1 { ggml_half d; ggml_half m; uint8_t qh[4]; uint8_t qs[16]; }
+    d, m, qh, qs, y = _f16(b[0:2]), _f16(b[2:4]), int.from_bytes(b[4:8], "little"), b[8:24], [None] * 32
+    for j in range(16):
+        xh_0 = ((qh >> (j + 0)) << 4) & 0x10
+        xh_1 = (qh >> (j + 12)) & 0x10
+        y[j] = F32((qs[j] & 0x0F) | xh_0) * d + m
+        y[j + 16] = F32((qs[j] >> 4) | xh_1) * d + m
+    return y
+
+
 def _scale_min_k4(j: int, q: bytes) -> tuple[int, int]:  # get_scale_min_k4
     if j < 4:
         return q[j] & 63, q[j + 4] & 63
@@ -51,6 +71,20 @@ def _q4_k(b: bytes) -> list:  # block_q4_K { ggml_half d, dmin; uint8_t scales[1
         d2, m2 = d * F32(sc), dmin * F32(m)
         y += [d1 * F32(q[32 * j + l] & 0xF) - m1 for l in range(32)]
         y += [d2 * F32(q[32 * j + l] >> 4) - m2 for l in range(32)]
+    return y
+
+
+def _q5_k(b: bytes) -> list:  # block_q5_K { ggml_half d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; }
+    d, dmin, scales, qh, ql, y = _f16(b[0:2]), _f16(b[2:4]), b[4:16], b[16:48], b[48:176], []
+    u1, u2 = 1, 2  # the bit of qh that is the fifth bit of the low / high nibble's value, per 64 values
+    for j in range(4):
+        sc, m = _scale_min_k4(2 * j, scales)
+        d1, m1 = d * F32(sc), dmin * F32(m)
+        sc, m = _scale_min_k4(2 * j + 1, scales)
+        d2, m2 = d * F32(sc), dmin * F32(m)
+        y += [d1 * F32((ql[32 * j + l] & 0xF) + (16 if qh[l] & u1 else 0)) - m1 for l in range(32)]
+        y += [d2 * F32((ql[32 * j + l] >> 4) + (16 if qh[l] & u2 else 0)) - m2 for l in range(32)]
+        u1, u2 = u1 << 2, u2 << 2
     return y
 
 
@@ -72,7 +106,8 @@ def _q6_k(b: bytes) -> list:  # block_q6_K { uint8_t ql[128]; uint8_t qh[64]; in
     return y
 
 
-_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k}
+_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k,
+             "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
 def decode(kind: str, raw: np.ndarray) -> np.ndarray:  # u8[rows, bytes_per_row] -> f32[rows, cols]
@@ -93,8 +128,8 @@ def random_blocks(kind: str, rng, rows: int, blocks_per_row: int, scale=(1e-3, 1
     magnitude, either sign."""
     _, size = BLOCKS[kind]
     raw = rng.integers(0, 256, (rows, blocks_per_row, size), dtype=np.uint8)
-    scale_at = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,), "Q5_K": (0, 2),
-                "IQ2_XXS": (0,), "Q5_0": (0,)}[kind]
+    scale_at = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
+                "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "IQ2_XXS": (0,), "IQ4_NL": (0,)}[kind]
     for at in scale_at:
         scales = (rng.uniform(*scale, (rows, blocks_per_row)) * rng.choice([-1, 1], (rows, blocks_per_row)))
         raw[..., at:at + 2] = scales.astype(np.float16).view(np.uint8).reshape(rows, blocks_per_row, 2)
