@@ -34,7 +34,9 @@ def dense_forward(graphdef, params, tokens, positions, last, cache):
     # queries at positions >= p, and decode overwrites position p before any real query reaches it.
     visible = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]  # bool[B, T, max_len]
 
-    def attention(q, k, v, cache, layer):  # q [B, T, H, D]; k, v [B, T, KVH, D]
+    def attention(q, k, v, cache, layer, sliding_window=None):  # q [B, T, H, D]; k, v [B, T, KVH, D]
+        if sliding_window is not None:
+            raise ValueError(f"the dense baseline attends globally; got sliding_window={sliding_window}")
         k_all = cache[0].at[layer, rows, positions].set(k)
         v_all = cache[1].at[layer, rows, positions].set(v)
         b, t, h, d = q.shape
