@@ -168,18 +168,21 @@ def load_hf(path, *, dtype=None) -> Llama:
         for file in files:
             with safe_open(file, framework="flax") as f:
                 for name in sorted(set(f.keys()) & set(expected)):
-                    t = expected[name]
-                    target = buffers
-                    for key in t.param:
-                        target = target[key]
-                    tensor = np.asarray(f.get_tensor(name))
-                    tensor = tensor.T if t.transpose else tensor
-                    if t.layer is None:
-                        target[...] = tensor.reshape(target.shape)
-                    else:
-                        target[t.layer] = tensor.reshape(target.shape[1:])
+                    put_tensor(buffers, expected[name], np.asarray(f.get_tensor(name)))
     nnx.replace_by_pure_dict(state, _to_device(buffers))
     return nnx.merge(graphdef, state)
+
+
+def put_tensor(buffers, t: HFTensor, values: np.ndarray) -> None:
+    """Copy one checkpoint tensor (in the file's layout) into its place in the preallocated buffers."""
+    values = values.T if t.transpose else values
+    target = buffers
+    for key in t.param:
+        target = target[key]
+    if t.layer is None:
+        target[...] = values.reshape(target.shape)
+    else:
+        target[t.layer] = values.reshape(target.shape[1:])
 
 
 def _to_device(buffers):

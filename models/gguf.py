@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from models.checkpoint import MODEL_REGISTRY, CheckpointError, HFTensor, _abstract_model, _to_device
+from models.checkpoint import MODEL_REGISTRY, CheckpointError, HFTensor, _abstract_model, _to_device, put_tensor
 from models.llama import Llama, LlamaConfig, rope_inv_freq
 
 Q = gguf.GGMLQuantizationType
@@ -197,15 +197,7 @@ def load_gguf_model(path, *, dtype=None, reader=None) -> Llama:
     buffers = jax.tree.map(lambda s: np.empty(s.shape, s.dtype), shapes)
     for tensor, t, heads in plan:
         values = dequantize(tensor)
-        values = unpermute_qk(values, heads) if heads else values
-        values = values.T if t.transpose else values
-        target = buffers
-        for key in t.param:
-            target = target[key]
-        if t.layer is None:
-            target[...] = values.reshape(target.shape)
-        else:
-            target[t.layer] = values.reshape(target.shape[1:])
+        put_tensor(buffers, t, unpermute_qk(values, heads) if heads else values)
     nnx.replace_by_pure_dict(state, _to_device(buffers))
     return nnx.merge(graphdef, state)
 
