@@ -1,5 +1,7 @@
 """The engine's vLLM behaviours on a small random Llama: scheduling, stops, parallel sampling with
 forked blocks, seeds, penalties, logprobs, bad input, abort and streaming, compile counts."""
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -216,13 +218,23 @@ def test_streaming_steps_and_abort(model):
     assert int(bp.num_free(engine.state.pool)) == 63
 
 
-def test_a_steady_workload_compiles_nothing_new(model):
+@contextlib.contextmanager
+def counting_compiles():
+    """-> a list that gets one entry per XLA compile while the block runs."""
     compiles = []
 
     def listen(event, duration, **kwargs):
         if event == "/jax/core/compile/backend_compile_duration":
             compiles.append(event)
 
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def test_a_steady_workload_compiles_nothing_new(model):
     llm = make_llm(model, max_num_seqs=3)  # shapes no other test compiled
     rng = np.random.default_rng(0)
 
@@ -230,8 +242,7 @@ def test_a_steady_workload_compiles_nothing_new(model):
         prompts = [rng.integers(0, 128, n).tolist() for n in lengths]
         llm.generate(prompts, SamplingParams(temperature=0.7, max_tokens=int(rng.integers(5, 20))))
 
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with counting_compiles() as compiles:
         # Concurrency rises and falls (1, 2, 3 rows, then 6 requests through 3 slots): warm-up
         # compiles each (rows, width, tokens) bucket once.
         for lengths in ([14], [8] * 2, [14] * 3, [8] * 3, [3] * 3, [14, 3, 8, 5, 11, 2]):
@@ -243,17 +254,9 @@ def test_a_steady_workload_compiles_nothing_new(model):
         # these lengths), prefill steps per (rows, tokens) bucket, pool ops per free-list size, and
         # their helpers; a handful, and none after the warm-up.
         assert 0 < warm <= 24 and len(compiles) == warm
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def test_warm_up_compiles_what_short_requests_need_and_leaves_the_engine_clean(model):
-    compiles = []
-
-    def listen(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
     llm = make_llm(model, max_num_seqs=6)  # shapes no other test compiled
     with pytest.raises(ValueError, match="prompt_len=1013 must be in"):
         llm.engine.warm_up(prompt_len=1013)
@@ -264,15 +267,12 @@ def test_warm_up_compiles_what_short_requests_need_and_leaves_the_engine_clean(m
     assert stats["prefix_cache_queries"] == stats["num_preemptions"] == stats["prefill_steps"] == 0
     rng = np.random.default_rng(3)
     firsts = []
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with counting_compiles() as compiles:
         for n in (1, 3, 6, 2, 5, 4):  # concurrency rises and falls; greedy and sampled
             prompts = [rng.integers(0, 128, int(rng.integers(2, 5))).tolist() for _ in range(n)]
             outs = llm.generate(prompts, [SamplingParams(temperature=0.8 * (i % 2), max_tokens=12, ignore_eos=True)
                                           for i in range(n)], use_tqdm=False)
             firsts.append((prompts[0], outs[0].outputs[0].token_ids))
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert compiles == []
     for prompt, tokens in firsts:  # greedy, unharmed by the warm-up
         assert tokens == greedy_reference(model, prompt, 12)
