@@ -157,6 +157,55 @@ def test_n_2_gives_two_indexed_choices_and_echo_leads_with_the_prompt(client):
     assert got.usage.completion_tokens == 32
 
 
+def _flat(entries):
+    """prompt_logprobs (Logprob objects or their JSON) -> ([(token, rank, piece)], [logprob])."""
+    keys, values = [], []
+    for position, entry in enumerate(entries):
+        for token, e in (entry or {}).items():
+            e = e if isinstance(e, dict) else vars(e)
+            keys.append((position, int(token), e["rank"], e["decoded_token"]))
+            values.append(e["logprob"])
+    return keys, values
+
+
+def test_prompt_logprobs_and_echoed_logprobs_are_llm_generates(servers, reference):
+    """vLLM's extra `prompt_logprobs` (per completion choice, on the chat response) and completions'
+    echo with logprobs (the prompt's tokens lead the choice's logprobs, the first one null)."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def post(path, **body):
+        status, got = servers[0].post(path, json.dumps(body).encode(), auth)
+        assert status == 200, got
+        return got
+
+    want = reference.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=4, logprobs=2,
+                                                       prompt_logprobs=2))[0]
+    got = post("/v1/completions", prompt=PROMPT, max_tokens=4, temperature=0, prompt_logprobs=2)["choices"][0]
+    assert got["prompt_logprobs"][0] is None and len(got["prompt_logprobs"]) == len(want.prompt_token_ids)
+    (keys, values), (want_keys, want_values) = _flat(got["prompt_logprobs"]), _flat(want.prompt_logprobs)
+    assert keys == want_keys and len(keys) >= 2 * (len(want.prompt_token_ids) - 1)
+    assert values == pytest.approx(want_values, rel=1e-5, abs=1e-6)
+    assert got["logprobs"] is None
+
+    echo = post("/v1/completions", prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=2)
+    lp = echo["choices"][0]["logprobs"]
+    ids = want.prompt_token_ids + want.outputs[0].token_ids
+    entries = want.prompt_logprobs + want.outputs[0].logprobs
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx([e[t].logprob for t, e in zip(ids[1:], entries[1:])],
+                                                     rel=1e-5, abs=1e-6)
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    assert echo["choices"][0]["text"] == PROMPT + want.outputs[0].text
+
+    messages = [{"role": "user", "content": "fib"}]
+    chat = post("/v1/chat/completions", messages=messages, max_tokens=2, temperature=0, prompt_logprobs=0)
+    ids = post("/tokenize", messages=messages)["tokens"]
+    chat_want = reference.generate([ids], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=0))[0]
+    (keys, values), (want_keys, want_values) = _flat(chat["prompt_logprobs"]), _flat(chat_want.prompt_logprobs)
+    assert keys == want_keys and len(keys) == len(ids) - 1
+    assert values == pytest.approx(want_values, rel=1e-5, abs=1e-6)
+
+
 def test_cache_salt_keeps_prefix_cache_entries_apart(client):
     prompt = PROMPT * 4  # 41 tokens: 2 full blocks of 16
     usage = [client.completions.create(model="embedded", prompt=prompt, max_tokens=1, extra_body=extra).usage
@@ -190,6 +239,8 @@ def test_chat_streamed_and_not_through_the_template(client, servers, reference):
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": "x", "n": 33}, 400, "n"),
     ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "x", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ({"prompt": [5, 99999]}, 400, "prompt"),
 ])
 def test_bad_requests_get_openais_error_body_and_the_server_goes_on(servers, body, status, param):
@@ -329,8 +380,9 @@ def test_an_error_inside_a_stream_is_an_error_chunk_then_done():
         raise EngineDeadError("the engine stopped: boom")
 
     async def collect():
-        options = Options(model=None, stream=True, include_usage=True, logprobs=None, cache_salt=None)
-        response = _Response(Serving(), "cmpl-1", False, 1, [[1, 2]], False, options, token_ids_as_tokens=False)
+        options = Options(model=None, stream=True, include_usage=True, logprobs=None, prompt_logprobs=None,
+                          echo=False, cache_salt=None)
+        response = _Response(Serving(), "cmpl-1", False, 1, [[1, 2]], options, token_ids_as_tokens=False)
         return [line async for line in response.events(outputs())]
 
     lines = asyncio.run(collect())

@@ -57,6 +57,9 @@ class Options:
     stream: bool
     include_usage: bool
     logprobs: int | None  # top-N per token (completions' `logprobs`, chat's `top_logprobs`), None: none
+    # top-N per prompt token (vLLM's extra field; completions' echo with logprobs asks for it too)
+    prompt_logprobs: int | None
+    echo: bool  # completions: the prompt leads each choice's text (and its logprobs)
     cache_salt: str | None
 
 
@@ -75,6 +78,15 @@ def read_options(body: dict, *, chat: bool) -> Options:
         logprobs, name = field(body, "logprobs", int), "logprobs"
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise APIError(f"{name} must be in [0, {MAX_LOGPROBS}], got {logprobs}", param=name)
+    echo = not chat and field(body, "echo", bool, False)
+    prompt_logprobs = field(body, "prompt_logprobs", int)
+    if prompt_logprobs is not None and stream:  # vLLM's rule: they would come only at the end
+        raise APIError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+        raise APIError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs}",
+                       param="prompt_logprobs")
+    if prompt_logprobs is None and echo and logprobs is not None:  # vLLM: echoed tokens get logprobs too
+        prompt_logprobs = logprobs
     for unsupported in ("logit_bias", "suffix", "tools", "functions", "response_format"):
         if body.get(unsupported):
             raise APIError(f"{unsupported} is not supported by this server", param=unsupported)
@@ -82,10 +94,11 @@ def read_options(body: dict, *, chat: bool) -> Options:
     if best_of is not None and best_of != field(body, "n", int, 1):
         raise APIError(f"best_of={best_of} different from n is not supported", param="best_of")
     return Options(model=field(body, "model", str), stream=stream, include_usage=include_usage,
-                   logprobs=logprobs, cache_salt=field(body, "cache_salt", str))
+                   logprobs=logprobs, prompt_logprobs=prompt_logprobs, echo=echo,
+                   cache_salt=field(body, "cache_salt", str))
 
 
-def read_sampling_params(body: dict, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def read_sampling_params(body: dict, *, max_tokens: int | None, options: Options) -> SamplingParams:
     """`max_tokens`: what the request asked (already checked against the context), None: up to it."""
     kwargs = {name: field(body, name, types, default) for name, (types, default) in SAMPLING_FIELDS.items()}
     stop = body.get("stop")
@@ -97,7 +110,8 @@ def read_sampling_params(body: dict, *, max_tokens: int | None, logprobs: int | 
         raise APIError(f"stop_token_ids must be a list of integers, got {kwargs['stop_token_ids']!r}",
                        param="stop_token_ids")
     try:
-        return SamplingParams(stop=stop, max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+        return SamplingParams(stop=stop, max_tokens=max_tokens, logprobs=options.logprobs,
+                              prompt_logprobs=options.prompt_logprobs, **kwargs)
     except ValueError as e:  # SamplingParams names the field first: "temperature must be >= 0, got -1"
         name = str(e).split(" ", 1)[0]
         raise APIError(str(e), param=name if name in SAMPLING_FIELDS or name in ("max_tokens", "stop") else None)

@@ -4,6 +4,7 @@ serving_chat.py, in one module because the two differ only in their prompt and t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -62,13 +63,12 @@ class Serving:
         options = protocol.read_options(body, chat=chat)
         self.check_model(options.model)
         max_tokens = protocol.requested_max_tokens(body, chat=chat)
-        params = protocol.read_sampling_params(body, max_tokens=max_tokens, logprobs=options.logprobs)
-        echo = not chat and field(body, "echo", bool, False)
+        params = protocol.read_sampling_params(body, max_tokens=max_tokens, options=options)
         prompts = [self.chat_prompt(body)] if chat else [self.encode(p) for p in protocol.read_prompts(body)]
         for ids in prompts:
             self.check_fits(ids, max_tokens, params)
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        response = _Response(self, request_id, chat, params.n, prompts, echo, options,
+        response = _Response(self, request_id, chat, params.n, prompts, options,
                              token_ids_as_tokens=field(body, "return_tokens_as_token_ids", bool, False))
         streams = [self.llm.generate(f"{request_id}-{i}", ids, params, cache_salt=options.cache_salt)
                    for i, ids in enumerate(prompts)]
@@ -119,6 +119,14 @@ async def _merge(streams) -> AsyncIterator[tuple[int, object]]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _prompt_logprobs_json(entries):
+    """vLLM's prompt_logprobs body: None for the first token, then {token id: {logprob, rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if entry is None else {str(t): dataclasses.asdict(lp) for t, lp in entry.items()}
+            for entry in entries]
+
+
 def _sse(payload) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -126,7 +134,7 @@ def _sse(payload) -> str:
 class _Response:
     """One request's choices as they accumulate, in OpenAI's completion or chat shapes."""
 
-    def __init__(self, serving: Serving, request_id: str, chat: bool, n: int, prompts, echo: bool, options, *,
+    def __init__(self, serving: Serving, request_id: str, chat: bool, n: int, prompts, options, *,
                  token_ids_as_tokens: bool):
         self.serving, self.id, self.chat, self.n, self.prompts = serving, request_id, chat, n, prompts
         self.options = options
@@ -134,12 +142,15 @@ class _Response:
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         tokenizer = serving.tokenizer
+        echo = options.echo
         prompt_texts = [tokenizer.decode(ids) if tokenizer else "" for ids in prompts] if echo else None
         count = len(prompts) * n
         self.text = [prompt_texts[i // n] if echo else "" for i in range(count)]
         self.echo_pending = [echo] * count
-        self.offset = [len(t) for t in self.text]  # completions' logprobs text_offset, per choice
+        # completions' logprobs text_offset, per choice: echoed prompt tokens get logprobs from 0
+        self.offset = [0 if options.logprobs is not None else len(t) for t in self.text]
         self.logprobs = [[] for _ in range(count)]
+        self.prompt_logprobs = [None] * len(prompts)  # RequestOutput.prompt_logprobs per prompt
         self.finish = [None] * count
         self.stop_reason = [None] * count
         self.completion_tokens = 0
@@ -150,42 +161,55 @@ class _Response:
         if out.error:
             raise APIError(out.error)
         self.cached_tokens[i] = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[i] = out.prompt_logprobs
         changed = []
         for c in out.outputs:
             index = i * self.n + c.index
-            new = c.text
-            if self.echo_pending[index]:  # echo: the prompt's text leads the choice's first chunk
+            new, entries = c.text, list(zip(c.token_ids, c.logprobs or []))
+            if self.echo_pending[index]:  # echo: the prompt (text and logprobs) leads the first chunk
                 new, self.echo_pending[index] = self.text[index] + new, False
+                if self.options.logprobs is not None:
+                    entries = list(zip(self.prompts[i], self.prompt_logprobs[i])) + entries
             self.text[index] += c.text
             self.completion_tokens += len(c.token_ids)
-            logprobs = self._logprobs(index, c) if self.options.logprobs is not None else None
+            logprobs = self._logprobs(index, entries) if self.options.logprobs is not None else None
             self.finish[index], self.stop_reason[index] = c.finish_reason, c.stop_reason
             changed.append((index, new, logprobs, c))
         return changed
 
-    def _logprobs(self, index, c):
-        """This chunk's logprobs in the endpoint's shape: the sampled token, and the top N by rank."""
+    def _logprobs(self, index, tokens):
+        """This chunk's logprobs in the endpoint's shape: each (token, its logprobs dict) as the token
+        and the top N by rank; an echoed prompt's first token has no dict (null, as vLLM sends it)."""
         top_n = self.options.logprobs
-        entries = [((token, lp[token]), sorted(((t, e) for t, e in lp.items() if e.rank <= top_n),
-                                              key=lambda te: te[1].rank))
-                   for token, lp in zip(c.token_ids, c.logprobs or [])]
 
-        def name(token, entry):
-            return f"token_id:{token}" if self.token_ids_as_tokens else entry.decoded_token
+        def name(token, piece):
+            return f"token_id:{token}" if self.token_ids_as_tokens else piece
+
+        def top(lp):
+            return sorted(((t, e) for t, e in lp.items() if e.rank <= top_n), key=lambda te: te[1].rank)
 
         if self.chat:
             def item(token, e):
-                return {"token": name(token, e), "logprob": e.logprob, "bytes": list(e.decoded_token.encode())}
-            content = [{**item(*chosen), "top_logprobs": [item(*te) for te in top]} for chosen, top in entries]
+                return {"token": name(token, e.decoded_token), "logprob": e.logprob,
+                        "bytes": list(e.decoded_token.encode())}
+            content = [{**item(token, lp[token]), "top_logprobs": [item(*te) for te in top(lp)]}
+                       for token, lp in tokens]
             self.logprobs[index] += content
             return {"content": content}
         part = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for (token, chosen), top in entries:
-            part["tokens"].append(name(token, chosen))
-            part["token_logprobs"].append(chosen.logprob)
-            part["top_logprobs"].append({name(t, e): e.logprob for t, e in [(token, chosen), *top]})
+        tokenizer = self.serving.tokenizer
+        for token, lp in tokens:
+            if lp is None:
+                piece = tokenizer.decode([token], skip_special_tokens=False) if tokenizer else ""
+            else:
+                piece = lp[token].decoded_token
+            part["tokens"].append(name(token, piece))
+            part["token_logprobs"].append(None if lp is None else lp[token].logprob)
+            part["top_logprobs"].append(None if lp is None else {
+                name(t, e.decoded_token): e.logprob for t, e in [(token, lp[token]), *top(lp)]})
             part["text_offset"].append(self.offset[index])
-            self.offset[index] += len(chosen.decoded_token)
+            self.offset[index] += len(piece)
         self.logprobs[index].append(part)
         return part
 
@@ -209,10 +233,18 @@ class _Response:
         for index, text in enumerate(self.text):
             choice = {"index": index, "logprobs": self._joined_logprobs(index), "finish_reason": self.finish[index],
                       "stop_reason": self.stop_reason[index]}
-            choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+                if self.options.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = _prompt_logprobs_json(self.prompt_logprobs[index // self.n])
             choices.append(choice)
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.serving.model_name,
+        body = {"id": self.id, "object": self.object, "created": self.created, "model": self.serving.model_name,
                 "choices": choices, "usage": self.usage()}
+        if self.chat and self.options.prompt_logprobs is not None:  # vLLM puts chat's on the response
+            body["prompt_logprobs"] = _prompt_logprobs_json(self.prompt_logprobs[0])
+        return body
 
     def _chunk(self, choices) -> dict:
         return {"id": self.id, "object": self.object + (".chunk" if self.chat else ""), "created": self.created,
