@@ -8,6 +8,8 @@
 #     installs today; no torch there (that CUDA download), so the parity tests skip on this line.
 # Both lines compile the kernels to cubins (tests/pallas_kernels/test_cubin.py); the IR is the
 # same, so the second line reads the first one's stats (pallas_kernels/cubin.py: CACHE_DIR).
+# The suite runs on PYTEST_WORKERS pytest-xdist workers (2: the CI machine's cores), a test file on
+# one worker (--dist loadfile), so a module's fixtures (servers, engines) are built once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 status=0
@@ -15,7 +17,8 @@ status=0
 echo "== jax line 1: $(python3 --version), newest jax for it"
 python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q -e ".[test,parity]"
-python3 -m pytest -q "$@" || status=$?
+workers=(-n "${PYTEST_WORKERS:-2}" --dist loadfile)
+python3 -m pytest -q "${workers[@]}" "$@" || status=$?
 
 latest="${PYTHON_LATEST:-$(pyenv root 2>/dev/null || echo /nonexistent)/versions/3.13.0/bin/python3.13}"
 if [ ! -x "$latest" ]; then
@@ -28,5 +31,5 @@ $venv -m pip install -q --upgrade pip
 $venv -m pip install -q --upgrade jax flax
 $venv -m pip install -q -e ".[test]"
 echo "== jax line 2: $($venv --version), jax $($venv -c 'import jax; print(jax.__version__)')"
-$venv -m pytest -q "$@" || status=$?
+$venv -m pytest -q "${workers[@]}" "$@" || status=$?
 exit $status
