@@ -101,6 +101,23 @@ class ModelRunner:
             self.counters["bytes_to_device"] += sum(x.nbytes for x in jax.tree.leaves(ops))
             self.state = runner.apply_pool_ops(self.state, ops, width=width, skip_width=skip_width)
 
+    def fork(self, pairs: list[tuple[int, int]], max_blocks: int):
+        """Fork each (parent slot, child slot) copy-on-write before the next call (beam search);
+        the frees planned before it must already be applied. `max_blocks`: the most blocks a parent
+        holds -> the PoolDelta of the rows, fetched."""
+        c = self.config
+        num = batching.bucket(len(pairs), 1 << 30, 8)
+        parents, children = np.full(num, -1, np.int32), np.full(num, -1, np.int32)
+        parents[: len(pairs)], children[: len(pairs)] = zip(*pairs)
+        width = batching.bucket(max_blocks, c.max_blocks_per_seq, batching.MIN_WIDTH_BUCKET)
+        start = time.perf_counter()
+        self.state, delta, ok = runner.fork_slots(self.state, parents, children, width=width,
+                                                  backend=c.attention_backend)
+        delta, ok = self._fetch("", (delta, ok), start, parents, children)
+        if not ok:
+            raise RuntimeError("internal error: the device pool refused a fork the host planned")
+        return delta
+
     def reset_prefix_cache(self) -> None:
         self.state = runner.uncache_all(self.state)
 
