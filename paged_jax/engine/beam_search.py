@@ -121,9 +121,9 @@ def _search_group(engine, group, params: BeamSearchParams) -> list[BeamSearchOut
     while live:
         engine.model_runner.apply_pool_ops(sched.take_pool_ops())  # dropped beams' blocks, before the forks
         pairs = [(parent, child) for s in live for parent, child in s.forks]
-        if pairs:
-            widest = max(sched.pool.num_blocks_of(parent) for parent, _ in pairs)
-            sched.apply_pool_delta(engine.model_runner.fork(pairs, widest))
+        if pairs:  # a parent holds every token of its beam, one fewer than its continuations
+            widest = max(s.beams[0].seq.num_tokens - 1 for s in live if s.forks)
+            sched.apply_pool_delta(engine.model_runner.fork(pairs, -(-widest // engine.config.block_size)))
         for s in live:  # all beams of a search hold n output tokens: the device stops after one more
             s.request.params = dataclasses.replace(base, max_tokens=s.beams[0].seq.num_output + 1)
         out = _call(engine, Plan(scheduled=[(b.seq, 1) for s in live for b in s.beams], is_decode=True))
