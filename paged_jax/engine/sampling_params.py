@@ -16,6 +16,13 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # only when it finished (LLM.generate's: no per-step copies of long outputs)
 
 
+def _check(checks) -> None:
+    """checks: (field name, value, ok, what it must be) -> ValueError naming the first bad field."""
+    for name, value, ok, want in checks:
+        if not ok:
+            raise ValueError(f"{name} must be {want}, got {value!r}")
+
+
 @dataclasses.dataclass
 class SamplingParams:
     n: int = 1
@@ -58,9 +65,7 @@ class SamplingParams:
             ("prompt_logprobs", self.prompt_logprobs, self.prompt_logprobs is None or self.prompt_logprobs >= 0,
              ">= 0"),
         )
-        for name, value, ok, want in checks:
-            if not ok:
-                raise ValueError(f"{name} must be {want}, got {value!r}")
+        _check(checks)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         if any(not s for s in self.stop):
@@ -103,6 +108,4 @@ class BeamSearchParams:
              "an integer >= 1"),
             ("temperature", self.temperature, self.temperature >= 0.0, ">= 0"),
         )
-        for name, value, ok, want in checks:
-            if not ok:
-                raise ValueError(f"{name} must be {want}, got {value!r}")
+        _check(checks)

@@ -43,6 +43,13 @@ def _prompt_list(prompts) -> list:
     return prompts
 
 
+def _unpack(prompt):
+    """(text or token ids, cache_salt or None) of one prompt; a dict holds "prompt" or "prompt_token_ids"."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    return (prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]), prompt.get("cache_salt")
+
+
 class LLM:
     def __init__(self, model, *, tokenizer=None, block_size=16, num_blocks=None,
                  gpu_memory_utilization=None, kv_cache_memory_fraction=None, max_num_seqs=None,
@@ -90,9 +97,7 @@ class LLM:
         # Check every prompt before queueing any, so a bad one leaves the engine untouched.
         requests = []
         for prompt, params in zip(prompts, sampling_params):
-            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-            if isinstance(prompt, dict):
-                prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
+            prompt, salt = _unpack(prompt)
             self.engine.tokenize_prompt(prompt)
             # Only finished outputs are read here: no per-step copies of every request (vLLM's choice too).
             params = dataclasses.replace(params or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
@@ -123,9 +128,7 @@ class LLM:
         cache). ValueError, before anything runs, for a bad prompt or beam_width > max_num_seqs."""
         parsed = []
         for prompt in _prompt_list(prompts):
-            if isinstance(prompt, dict):
-                prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
-            parsed.append(self.engine.tokenize_prompt(prompt))
+            parsed.append(self.engine.tokenize_prompt(_unpack(prompt)[0]))
         return beam_search(self.engine, parsed, params)
 
     def stats(self) -> dict:

@@ -98,3 +98,22 @@ def test_bad_beam_search_input_raises_naming_it_and_runs_nothing():
     assert [[(s.tokens, s.cum_logprob) for s in r.sequences] for r in after] == [
         [(s.tokens, s.cum_logprob) for s in r.sequences] for r in before]
     assert_pool_drained(llm)
+
+
+def test_with_a_temperature_a_beams_sampled_token_joins_its_candidates():
+    """vLLM: with a temperature, each beam's sampled token is a candidate besides its top 2W (here
+    unlikely ones, outside the top 2W at some steps, that never make the cut: the beams are the
+    greedy search's); scores stay the model's own logprobs; a seeded engine samples the same twice."""
+    llm, prompts = stories_engine()
+    greedy = llm.beam_search(prompts, BeamSearchParams(beam_width=WIDTH, max_tokens=NEW_TOKENS))
+    params = BeamSearchParams(beam_width=WIDTH, max_tokens=NEW_TOKENS, temperature=3.0)
+    hot, again = llm.beam_search(prompts, params), llm.beam_search(prompts, params)
+    assert [[s.tokens for s in r.sequences] for r in hot] == [[s.tokens for s in r.sequences] for r in greedy]
+    assert [[s.logprobs for s in r.sequences] for r in hot] == [[s.logprobs for s in r.sequences] for r in again]
+    entries = [e for r in hot for s in r.sequences for e in s.logprobs]
+    assert {len(e) for e in entries} == {2 * WIDTH, 2 * WIDTH + 1}
+    for prompt, result in zip(prompts, hot):
+        for s in result.sequences:
+            chosen = sum(e[t].logprob for t, e in zip(s.tokens[len(prompt):], s.logprobs))
+            assert s.cum_logprob == pytest.approx(chosen, abs=1e-5)
+    assert_pool_drained(llm)
