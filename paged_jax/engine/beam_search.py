@@ -3,9 +3,10 @@ vllm/beam_search.py). Every beam is a sequence slot. A beam kept with several co
 forked: they share every full block it holds and each gets a copy of its partial tail block only;
 a beam that no continuation keeps is freed at once.
 
-A step costs one decode call: every live beam feeds its newest token and gets its top 2 x W
-logprobs (the engine's own decode program, left after one step through max_tokens); the host ranks
-the candidates, frees the dropped beams and forks the kept ones before the next call.
+A step costs one wait on the device: a decode call in which every live beam feeds its newest token
+and gets its top 2 x W logprobs (the engine's own decode program, left after one step through
+max_tokens). The host ranks the candidates, frees the dropped beams and forks the kept ones
+(dispatched before the next decode call, their pool changes fetched with its output).
 
 vLLM's rules, and where transformers' `generate(num_beams=W, early_stopping=False)` differs:
 - candidates are each beam's top 2W tokens (and, with a temperature, its sampled one); the W best
@@ -120,13 +121,13 @@ def _search_group(engine, group, params: BeamSearchParams) -> list[BeamSearchOut
     live = [s for s in searches if s.beams]
     while live:
         engine.model_runner.apply_pool_ops(sched.take_pool_ops())  # dropped beams' blocks, before the forks
-        pairs = [(parent, child) for s in live for parent, child in s.forks]
+        pairs, forked = [(parent, child) for s in live for parent, child in s.forks], None
         if pairs:  # a parent holds every token of its beam, one fewer than its continuations
             widest = max(s.beams[0].seq.num_tokens - 1 for s in live if s.forks)
-            sched.apply_pool_delta(engine.model_runner.fork(pairs, -(-widest // engine.config.block_size)))
+            forked = engine.model_runner.fork(pairs, -(-widest // engine.config.block_size))
         for s in live:  # all beams of a search hold n output tokens: the device stops after one more
             s.request.params = dataclasses.replace(base, max_tokens=s.beams[0].seq.num_output + 1)
-        out = _call(engine, Plan(scheduled=[(b.seq, 1) for s in live for b in s.beams], is_decode=True))
+        out = _call(engine, Plan(scheduled=[(b.seq, 1) for s in live for b in s.beams], is_decode=True), forked)
         row = 0
         for s in live:
             rows, row = list(range(row, row + len(s.beams))), row + len(s.beams)
@@ -136,8 +137,11 @@ def _search_group(engine, group, params: BeamSearchParams) -> list[BeamSearchOut
     return [_finish(engine, s, params) for s in searches]
 
 
-def _call(engine, plan: Plan):
+def _call(engine, plan: Plan, forked=None):
+    """Run the plan (after the forks dispatched before it, if any) and mirror what both changed."""
     out = engine.model_runner.execute(plan)
+    if forked is not None:
+        engine.scheduler.apply_pool_delta(engine.model_runner.fetch_fork(forked))
     engine.scheduler.apply_pool_delta(out.delta)
     k = engine.counters
     k["decode_calls" if plan.is_decode else "prefill_steps"] += 1

@@ -104,16 +104,21 @@ class ModelRunner:
     def fork(self, pairs: list[tuple[int, int]], max_blocks: int):
         """Fork each (parent slot, child slot) copy-on-write before the next call (beam search);
         the frees planned before it must already be applied. `max_blocks`: the most blocks a parent
-        holds -> the PoolDelta of the rows, fetched."""
+        holds. Dispatched, not waited for -> the device's (PoolDelta, ok), for `fetch_fork` after
+        the next call's output is in: the host waits once per step, not twice."""
         c = self.config
         num = batching.bucket(len(pairs), 1 << 30, 8)
         parents, children = np.full(num, -1, np.int32), np.full(num, -1, np.int32)
         parents[: len(pairs)], children[: len(pairs)] = zip(*pairs)
         width = batching.bucket(max_blocks, c.max_blocks_per_seq, batching.MIN_WIDTH_BUCKET)
-        start = time.perf_counter()
+        self.counters["bytes_to_device"] += parents.nbytes + children.nbytes
         self.state, delta, ok = runner.fork_slots(self.state, parents, children, width=width,
                                                   backend=c.attention_backend)
-        delta, ok = self._fetch("", (delta, ok), start, parents, children)
+        return delta, ok
+
+    def fetch_fork(self, forked):
+        """`fork`'s result on the host -> its PoolDelta."""
+        delta, ok = self._fetch("", forked, time.perf_counter())
         if not ok:
             raise RuntimeError("internal error: the device pool refused a fork the host planned")
         return delta
