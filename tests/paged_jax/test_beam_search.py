@@ -31,9 +31,9 @@ def outputs_of(result, prompt):
     return [s.tokens[len(prompt):] for s in result.sequences]
 
 
-def stories_engine():
+def stories_engine(**kwargs):
     """stories260K in 4-token blocks, and its tokenized STORY_STARTS."""
-    llm = LLM(str(STORIES), block_size=4, num_blocks=128, max_num_seqs=8, log_stats=False)
+    llm = LLM(str(STORIES), block_size=4, num_blocks=128, max_num_seqs=8, log_stats=False, **kwargs)
     return llm, [llm.get_tokenizer().encode(text) for text in STORY_STARTS]
 
 
@@ -117,3 +117,12 @@ def test_with_a_temperature_a_beams_sampled_token_joins_its_candidates():
             chosen = sum(e[t].logprob for t, e in zip(s.tokens[len(prompt):], s.logprobs))
             assert s.cum_logprob == pytest.approx(chosen, abs=1e-5)
     assert_pool_drained(llm)
+
+
+def test_pallas_kernels_in_interpret_mode_search_the_same_beams():
+    """The forks' block copies and the attention through our Pallas kernels (interpret mode)."""
+    params = BeamSearchParams(beam_width=WIDTH, max_tokens=6)
+    (reference, prompts), (pallas, _) = stories_engine(), stories_engine(attention_backend="pallas-interpret")
+    want = [[s.tokens for s in r.sequences] for r in reference.beam_search(prompts, params)]
+    assert [[s.tokens for s in r.sequences] for r in pallas.beam_search(prompts, params)] == want
+    assert_pool_drained(pallas)
