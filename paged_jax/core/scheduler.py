@@ -15,7 +15,7 @@ import heapq
 
 import numpy as np
 
-from paged_jax.core.model_output import ModelOutput
+from paged_jax.core.model_output import ModelOutput, PoolDelta
 from paged_jax.core.pool_mirror import PoolMirror
 from paged_jax.core.prefix_cache import PrefixCache, extend_block_hashes
 from paged_jax.core.sequence import Sequence, Status
@@ -94,6 +94,11 @@ class Scheduler:
             self.pending_free.append(seq.slot)
             heapq.heappush(self.free_slot_ids, seq.slot)
             seq.slot = -1
+
+    def take_slot(self) -> int:
+        """The lowest free sequence slot, for a sequence that its caller runs outside the running
+        list (beam search's beams); `finish` gives it back."""
+        return heapq.heappop(self.free_slot_ids)
 
     @property
     def has_work(self) -> bool:
@@ -225,7 +230,7 @@ class Scheduler:
         computed tokens, the sampled tokens appended, device stops (stop token, length), and the
         newly full blocks entered in the prefix cache -> (seq, output row, new tokens) of each
         sequence that received tokens (finished ones included)."""
-        self.prefix_cache.evict(self.pool.apply(output.delta))
+        self.apply_pool_delta(output.delta)
         for child, parent in plan.forks:
             child.status = Status.RUNNING
             self.running.append(child)
@@ -252,6 +257,11 @@ class Scheduler:
             elif code == 2:
                 self.finish(seq, Status.FINISHED_LENGTH)
         return progressed
+
+    def apply_pool_delta(self, delta: PoolDelta) -> None:
+        """Mirror a device call's pool changes; the prefix cache forgets the blocks it handed out
+        again (vLLM's `_maybe_evict_cached_block`)."""
+        self.prefix_cache.evict(self.pool.apply(delta))
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Enter the sequence's computed full blocks in the prefix cache (prompt and output alike,

@@ -32,9 +32,9 @@ class OutputProcessor:
         if seq.logprobs is None:
             seq.logprobs = []
         # In place: a copy per token would cost O(L^2) over an output.
-        seq.logprobs.append(self._entry(token, logprob, rank, top_ids, top_logprobs, seq.request.params.logprobs))
+        seq.logprobs.append(self.logprob_entry(token, logprob, rank, top_ids, top_logprobs, seq.request.params.logprobs))
 
-    def _entry(self, token, logprob, rank, top_ids, top_logprobs, wanted) -> dict[int, Logprob]:
+    def logprob_entry(self, token, logprob, rank, top_ids, top_logprobs, wanted) -> dict[int, Logprob]:
         """vLLM's logprobs dict: the token's own entry, then the top `wanted` (ranks 1..wanted)."""
         entry = {int(token): Logprob(float(logprob), int(rank), self._piece(int(token)))}
         for r, (tid, lp) in enumerate(zip(top_ids[:wanted], top_logprobs[:wanted])):
@@ -48,7 +48,7 @@ class OutputProcessor:
             position = int(out.positions[i])
             if position != len(request.prompt_logprobs) + 1:  # scored before a preemption
                 continue
-            request.prompt_logprobs.append(self._entry(
+            request.prompt_logprobs.append(self.logprob_entry(
                 request.prompt_token_ids[position], out.logprob[i], out.rank[i], out.top_ids[i],
                 out.top_logprobs[i], request.params.prompt_logprobs))
 

@@ -16,6 +16,13 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # only when it finished (LLM.generate's: no per-step copies of long outputs)
 
 
+def _check(checks) -> None:
+    """checks: (field name, value, ok, what it must be) -> ValueError naming the first bad field."""
+    for name, value, ok, want in checks:
+        if not ok:
+            raise ValueError(f"{name} must be {want}, got {value!r}")
+
+
 @dataclasses.dataclass
 class SamplingParams:
     n: int = 1
@@ -58,9 +65,7 @@ class SamplingParams:
             ("prompt_logprobs", self.prompt_logprobs, self.prompt_logprobs is None or self.prompt_logprobs >= 0,
              ">= 0"),
         )
-        for name, value, ok, want in checks:
-            if not ok:
-                raise ValueError(f"{name} must be {want}, got {value!r}")
+        _check(checks)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         if any(not s for s in self.stop):
@@ -80,3 +85,27 @@ class SamplingParams:
     @property
     def uses_filters(self) -> bool:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's `BeamSearchParams` (vllm/sampling_params.py), for `LLM.beam_search`: each step keeps
+    the `beam_width` best of every beam's top 2 x beam_width continuations, for up to `max_tokens`
+    tokens. `temperature` 0 ranks the top tokens only; above 0 a beam's sampled token joins its
+    candidates (vLLM). Scores divide the cumulative logprob by length ** `length_penalty`."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self):
+        checks = (
+            ("beam_width", self.beam_width, isinstance(self.beam_width, int) and self.beam_width >= 1,
+             "an integer >= 1"),
+            ("max_tokens", self.max_tokens, isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+             "an integer >= 1"),
+            ("temperature", self.temperature, self.temperature >= 0.0, ">= 0"),
+        )
+        _check(checks)

@@ -7,9 +7,10 @@ import itertools
 import json
 from pathlib import Path
 
+from paged_jax.engine.beam_search import BeamSearchOutput, beam_search
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.outputs import RequestOutput
-from paged_jax.engine.sampling_params import RequestOutputKind, SamplingParams
+from paged_jax.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from paged_jax.worker.sharding import AXIS, make_mesh
 
 # config.json's model_type -> the module that loads it, imported only when used (as vLLM's registry
@@ -33,6 +34,20 @@ def load_model(path, dtype=None):
         raise ValueError(f"{config_file}: model_type {model_type!r} is not supported; supported: {sorted(MODEL_LOADERS)}")
     module = importlib.import_module(MODEL_LOADERS[model_type])
     return module.load_model(path, dtype=dtype), module.load_tokenizer(path)
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (a string, a dict, or token ids) is a list of one: a dict iterated would give its keys."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return prompts
+
+
+def _unpack(prompt):
+    """(text or token ids, cache_salt or None) of one prompt; a dict holds "prompt" or "prompt_token_ids"."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    return (prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]), prompt.get("cache_salt")
 
 
 class LLM:
@@ -74,9 +89,7 @@ class LLM:
     def generate(self, prompts, sampling_params=None, *, use_tqdm=False) -> list[RequestOutput]:
         """Outputs in the order of `prompts`: a string, a list of strings, a list of token-id lists,
         or dicts `{"prompt": str | "prompt_token_ids": list[int], "cache_salt": str}`."""
-        # One prompt (a string, a dict, or token ids) is a list of one: a dict iterated would give its keys.
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -84,9 +97,7 @@ class LLM:
         # Check every prompt before queueing any, so a bad one leaves the engine untouched.
         requests = []
         for prompt, params in zip(prompts, sampling_params):
-            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-            if isinstance(prompt, dict):
-                prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
+            prompt, salt = _unpack(prompt)
             self.engine.tokenize_prompt(prompt)
             # Only finished outputs are read here: no per-step copies of every request (vLLM's choice too).
             params = dataclasses.replace(params or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
@@ -109,6 +120,16 @@ class LLM:
         if bar is not None:
             bar.close()
         return sorted(done.values(), key=lambda o: order[o.request_id])
+
+    def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's beam search (paged_jax.engine.beam_search: its rules, and where they differ from
+        transformers'): one `BeamSearchOutput` per prompt, in order, its sequences best first.
+        Prompts as for `generate`; a dict's cache_salt is not used (beams do not touch the prefix
+        cache). ValueError, before anything runs, for a bad prompt or beam_width > max_num_seqs."""
+        parsed = []
+        for prompt in _prompt_list(prompts):
+            parsed.append(self.engine.tokenize_prompt(_unpack(prompt)[0]))
+        return beam_search(self.engine, parsed, params)
 
     def stats(self) -> dict:
         return self.engine.stats()

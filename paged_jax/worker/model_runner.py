@@ -101,6 +101,28 @@ class ModelRunner:
             self.counters["bytes_to_device"] += sum(x.nbytes for x in jax.tree.leaves(ops))
             self.state = runner.apply_pool_ops(self.state, ops, width=width, skip_width=skip_width)
 
+    def fork(self, pairs: list[tuple[int, int]], max_blocks: int):
+        """Fork each (parent slot, child slot) copy-on-write before the next call (beam search);
+        the frees planned before it must already be applied. `max_blocks`: the most blocks a parent
+        holds. Dispatched, not waited for -> the device's (PoolDelta, ok), for `fetch_fork` after
+        the next call's output is in: the host waits once per step, not twice."""
+        c = self.config
+        num = batching.bucket(len(pairs), 1 << 30, 8)
+        parents, children = np.full(num, -1, np.int32), np.full(num, -1, np.int32)
+        parents[: len(pairs)], children[: len(pairs)] = zip(*pairs)
+        width = batching.bucket(max_blocks, c.max_blocks_per_seq, batching.MIN_WIDTH_BUCKET)
+        self.counters["bytes_to_device"] += parents.nbytes + children.nbytes
+        self.state, delta, ok = runner.fork_slots(self.state, parents, children, width=width,
+                                                  backend=c.attention_backend)
+        return delta, ok
+
+    def fetch_fork(self, forked):
+        """`fork`'s result on the host -> its PoolDelta."""
+        delta, ok = self._fetch("", forked, time.perf_counter())
+        if not ok:
+            raise RuntimeError("internal error: the device pool refused a fork the host planned")
+        return delta
+
     def reset_prefix_cache(self) -> None:
         self.state = runner.uncache_all(self.state)
 

@@ -8,7 +8,8 @@ sampling state, all donated so XLA updates them in place. Each works on the rows
   the block pool's own pure functions, running the model, sampling and checking stops, so the host
   sees results once per K tokens. It leaves early when every row has finished, when the pool cannot
   grow (the host then preempts), or, if asked, as soon as one finishes (to admit waiters);
-- `apply_pool_ops`: the host's cache marks and frees, before a step or when the engine goes idle.
+- `apply_pool_ops`: the host's cache marks and frees, before a step or when the engine goes idle;
+- `fork_slots`: copy-on-write forks the host decided between steps (beam search).
 Each returns what changed (`ModelOutput` with its `PoolDelta`), never whole tables.
 """
 from __future__ import annotations
@@ -205,6 +206,23 @@ def decode_steps(graphdef, params, state: DeviceState, batch: DecodeBatch, sp: s
     reach = -(-num_steps // view.block_size) + 1  # blocks one row can gain in num_steps tokens
     return new, ModelOutput(**out, delta=_delta(pool, view, batch.slots, start, reach), steps=steps,
                             pool_full=pool_full)
+
+
+@functools.partial(jax.jit, static_argnames=("width", "backend"), donate_argnames=("state",))
+def fork_slots(state: DeviceState, parents, children, *, width: int, backend: str):
+    """Copy-on-write forks before a step (beam search: a beam kept with several continuations):
+    slot children[i] becomes a fork of slot parents[i] (i32[F] each, -1 pad; a parent may repeat),
+    tables `width` wide -> (state, PoolDelta of the parents' then the children's rows, ok bool[])."""
+    num = parents.shape[0]
+    slots = jnp.concatenate([parents, children])
+    view = bp.rows(state.pool, slots, width)
+    fork_parent = jnp.concatenate([jnp.full(num, -1, jnp.int32),
+                                   jnp.where(children >= 0, jnp.arange(num, dtype=jnp.int32), -1)])
+    view, src, dst, ok = _fork_rows(view, fork_parent)
+    cache = copy_blocks(state.cache, src, dst, backend=backend)
+    pool = bp.put_rows(state.pool, view, slots)
+    delta = _delta(pool, view, slots, jnp.zeros(2 * num, jnp.int32), width)
+    return dataclasses.replace(state, cache=cache, pool=pool), delta, ok
 
 
 @functools.partial(jax.jit, static_argnames=("width", "skip_width"), donate_argnames=("state",))

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from paged_jax import LLM, SamplingParams
-from paged_jax.core import block_pool as bp
 from tests.models.model_testing import tiny_config
+from tests.paged_jax.engine_testing import assert_pool_drained
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -40,16 +40,6 @@ def hf_llama(tmp_path_factory):
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-
-
-def assert_pool_drained(llm):
-    engine = llm.engine
-    pool = engine.state.pool
-    bp.check_invariants(pool)
-    engine.scheduler.pool.check_against(pool)
-    assert int(bp.num_free(pool)) == engine.config.num_blocks - 1
-    assert np.asarray(pool.ref_cnt).tolist() == [0] * engine.config.num_blocks
-    assert llm.stats()["kv_cache_usage"] == 0.0
 
 
 @pytest.mark.parametrize("name, kwargs", [
