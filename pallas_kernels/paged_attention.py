@@ -39,7 +39,8 @@ DECODE_TILES = {
 }
 DECODE_TILES["sm_80"] = DECODE_TILES["sm_90"]  # they fit the A100 too: <= 50 KB of 163 KB shared
 # int8/fp8 pages: the cast keys and the scale vectors take registers. At the rows above f32 hd128
-# spilled 94 stores (sm_90) and 16-bit hd128 one store (sm_90, 4 warps) (scripts/check_gpu_kernels.py).
+# spilled 94 stores (sm_90) and 16-bit hd128 one store (sm_90, 4 warps)
+# (scripts/check_gpu_kernels.py --quantized).
 QUANTIZED_DECODE_TILES = {(2, 128): (64, 8, 2), (4, 128): (16, 8, 2)}
 
 

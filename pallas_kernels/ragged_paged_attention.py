@@ -131,8 +131,8 @@ def _tile_table(query_start_loc, num_tokens, block_q, num_tiles):
     "sm_scale", "soft_cap", "sliding_window", "interpret", "block_m", "block_n", "num_warps",
     "num_stages"))
 def _ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, out,
-                            k_scales, v_scales, *, sm_scale, soft_cap, sliding_window, interpret, block_m, block_n,
-                            num_warps, num_stages):
+                            k_scales, v_scales, *, sm_scale, soft_cap, sliding_window, interpret,
+                            block_m, block_n, num_warps, num_stages):
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = k_pages.shape
     num_seqs = block_tables.shape[0]

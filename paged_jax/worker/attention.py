@@ -73,8 +73,11 @@ class KVCache:
         if layout != "paged":
             raise ValueError(f"KV cache layout must be one of {LAYOUTS}, got {layout!r}")
         shape = (num_kv_heads, num_layers * num_blocks, block_size, head_dim)
-        scales = [jnp.zeros(shape[:3], quantization.SCALE_DTYPE) for _ in range(2)] if quantized else [None, None]
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), num_layers, None, layout, *scales)
+        scales = [None, None]
+        if quantized:
+            scales = [jnp.zeros(shape[:3], quantization.SCALE_DTYPE) for _ in range(2)]
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), num_layers, None, layout,
+                   *scales)
 
     @property
     def num_blocks(self) -> int:
