@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from models.layers import causal_attention, gated_mlp, rms_norm, scan_layers, self_attention
+from pallas_kernels.quantization import storage_dtype
 from paged_jax.worker.attention import AttentionMetadata, KVCache, attend
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")
@@ -371,12 +372,14 @@ class Llama(nnx.Module):
         x, _ = self.run_layers(self.embed_tokens(tokens), positions, dense, None)
         return self.logits(x)
 
-    def init_cache(self, num_blocks: int, block_size: int, *, layout: str = "paged") -> KVCache:
-        """An empty cache for this model in its dtype: `num_blocks` pool blocks per layer, in the
-        layout the attention backend reads (`paged_jax.worker.attention.cache_layout(backend)`)."""
+    def init_cache(self, num_blocks: int, block_size: int, *, layout: str = "paged",
+                   kv_cache_dtype: str = "auto") -> KVCache:
+        """An empty cache: `num_blocks` pool blocks per layer, in the layout the attention backend
+        reads (`paged_jax.worker.attention.cache_layout(backend)`), in the model's dtype
+        (`kv_cache_dtype` "auto") or quantized ("int8", "fp8_e4m3")."""
         c = self.config
         return KVCache.create(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
-                              jnp.dtype(c.dtype), layout=layout)
+                              storage_dtype(kv_cache_dtype, c.dtype), layout=layout)
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "mesh"), donate_argnames=("cache",))

@@ -6,6 +6,8 @@ import numbers
 
 import jax.numpy as jnp
 
+from pallas_kernels import quantization, targets
+
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_HEAD_DIM = 256  # a [rows, head_dim] f32 accumulator per program must fit in registers
 
@@ -37,16 +39,43 @@ def check_pages(k_pages, v_pages):
     return tuple(jnp.shape(k_pages))
 
 
-def check_attention(q, k_pages, v_pages, block_tables, seq_lens, out=None):
+def check_scales(k_pages, k_scales, v_scales, *, interpret=True):
+    """Quantized pages (int8, float8_e4m3fn) come with f32 scales shaped like the pages minus
+    head_dim, others with none. -> whether the pages are quantized. fp8 needs a GPU that casts it
+    (sm_89 and newer); `interpret` runs on the CPU, which does."""
+    pages_dtype = jnp.result_type(k_pages)
+    if not quantization.is_quantized(pages_dtype):
+        if k_scales is not None or v_scales is not None:
+            raise ValueError(f"k_scales/v_scales are for int8 or float8_e4m3fn pages, got "
+                             f"{pages_dtype} pages")
+        return False
+    shape = tuple(jnp.shape(k_pages))[:3]
+    for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if scales is None:
+            raise ValueError(f"{pages_dtype} pages need {name} f32{list(shape)}, got None")
+        if tuple(jnp.shape(scales)) != shape or jnp.result_type(scales) != jnp.float32:
+            raise ValueError(f"{name} must be f32{list(shape)} (the pages minus head_dim), got "
+                             f"{jnp.result_type(scales)}{list(jnp.shape(scales))}")
+    if pages_dtype == jnp.float8_e4m3fn and not interpret:
+        arch = targets.gpu_arch()
+        if targets._arch_number(arch) < 89:
+            raise ValueError(f"float8_e4m3fn pages need sm_89 or newer to cast, got {arch}; "
+                             "int8 works on every GPU")
+    return True
+
+
+def check_attention(q, k_pages, v_pages, block_tables, seq_lens, out=None, k_scales=None,
+                    v_scales=None, interpret=True):
     """-> (num_heads, num_kv_heads, head_dim) after checking q [rows, num_heads, head_dim] against
-    the pages, block tables and seq_lens."""
+    the pages (of q's dtype, or quantized with scales), block tables and seq_lens."""
     check_rank("q", q, 3)
     _, num_heads, head_dim = jnp.shape(q)
     num_kv_heads, _, _, kv_head_dim = check_pages(k_pages, v_pages)
     dtype = jnp.result_type(q)
-    if dtype not in DTYPES or jnp.result_type(k_pages) != dtype:
-        raise ValueError(f"q and the pages must share one dtype of {[str(d) for d in DTYPES]}, got "
-                         f"q {dtype}, pages {jnp.result_type(k_pages)}")
+    quantized = check_scales(k_pages, k_scales, v_scales, interpret=interpret)
+    if dtype not in DTYPES or not (quantized or jnp.result_type(k_pages) == dtype):
+        raise ValueError(f"q must be one of {[str(d) for d in DTYPES]} and the pages of q's dtype "
+                         f"or int8/float8_e4m3fn, got q {dtype}, pages {jnp.result_type(k_pages)}")
     if kv_head_dim != head_dim:
         raise ValueError(f"q head_dim {head_dim} != pages head_dim {kv_head_dim}")
     if not 1 <= head_dim <= MAX_HEAD_DIM:

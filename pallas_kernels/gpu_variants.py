@@ -4,8 +4,9 @@ scripts/check_gpu_kernels.py walk the same list.
 
 What changes a kernel's code: the kernel, the dtype, head_dim (padded to a power of two, masked
 when it is not one), the tiles (DECODE_TILES, RAGGED_TILES: per arch), soft cap and sliding window,
-and as constants the GQA group and block_size. Other shapes (sequences, blocks, KV heads) only
-change the grid or index arithmetic, so they are fixed at sizes of real models: tables 512 wide."""
+quantized pages (int8, fp8, with their scales), and as constants the GQA group and block_size.
+Other shapes (sequences, blocks, KV heads) only change the grid or index arithmetic, so they are
+fixed at sizes of real models: tables 512 wide."""
 from __future__ import annotations
 
 import dataclasses
@@ -38,10 +39,12 @@ class Variant:
     block_size: int = 16
     soft_cap: float | None = None
     sliding_window: int | None = None
+    kv_dtype: str | None = None  # "int8" or "float8_e4m3fn": quantized pages with f32 scales
 
     @property
     def label(self):
         extra = "" if self.soft_cap is None else f" cap {self.soft_cap:g} window {self.sliding_window}"
+        extra += "" if self.kv_dtype is None else f" kv {self.kv_dtype}"
         return (f"{self.kernel} {self.dtype} hd{self.head_dim} g{self.group} "
                 f"bs{self.block_size}{extra}")
 
@@ -49,7 +52,16 @@ class Variant:
         """-> (function, abstract args) whose CUDA export launches this variant's kernels."""
         dtype = jnp.dtype(self.dtype)
         pages = jax.ShapeDtypeStruct((NUM_KV_HEADS, NUM_BLOCKS, self.block_size, self.head_dim),
-                                     dtype)
+                                     jnp.dtype(self.kv_dtype or dtype))
+        scales = ()
+        if self.kv_dtype is not None and self.kernel != "copy_blocks":  # scales: copied by XLA
+            scales = (jax.ShapeDtypeStruct(pages.shape[:3], jnp.float32),) * 2
+        fn, args = self._call(dtype, pages)
+        if scales:
+            return functools.partial(_with_scales, fn), (*args, *scales)
+        return fn, args
+
+    def _call(self, dtype, pages):
         if self.kernel in ("write_kv", "copy_blocks"):
             new = jax.ShapeDtypeStruct((NUM_TOKENS, NUM_KV_HEADS, self.head_dim), dtype)
             if self.kernel == "write_kv":
@@ -69,6 +81,11 @@ def _ints(*shape):
     return jax.ShapeDtypeStruct(shape, jnp.int32)
 
 
+def _with_scales(fn, *args, **options):
+    """The kernels take the scales by keyword; an export passes abstract arguments by position."""
+    return fn(*args[:-2], k_scales=args[-2], v_scales=args[-1], **options)
+
+
 def engine_builds():
     """-> [(Variant, arch)]: every kernel x dtype x head_dim at GQA 4 and block_size 16 for each
     GPU target; each GQA group and block size for decode and ragged at hd128 (f32, bf16) on sm_90
@@ -82,4 +99,14 @@ def engine_builds():
     # block_size need not be a power of two: keys are gathered token by token
     odd = [Variant(k, "bfloat16", 128, 4, 12) for k in KERNELS]
     every = [(v, arch) for v in base + capped for arch in targets.GPU_TARGETS]
-    return every + [(v, targets.DEFAULT_GPU) for v in shapes + odd]
+    return every + [(v, targets.DEFAULT_GPU) for v in shapes + odd] + quantized_builds()
+
+
+def quantized_builds():
+    """-> [(Variant, arch)]: int8 pages on each target and fp8 on sm_90 (Triton casts fp8 on
+    sm_89 and newer), for every kernel with bf16 queries at hd 64, 128, 256 and f32 at hd128
+    (copy_blocks reads no query: its f32 build would be the bf16 one)."""
+    shapes = [("bfloat16", 64), ("bfloat16", 128), ("bfloat16", 256), ("float32", 128)]
+    kv = [("int8", arch) for arch in targets.GPU_TARGETS] + [("float8_e4m3fn", "sm_90")]
+    return [(Variant(k, d, h, kv_dtype=q), arch) for q, arch in kv for k in KERNELS
+            for d, h in shapes if (k, d) != ("copy_blocks", "float32")]  # no query: bf16's copy

@@ -16,17 +16,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import checks
-from pallas_kernels.online_softmax import pow2_at_least
+from pallas_kernels.online_softmax import pow2_at_least, zero
+from pallas_kernels.quantization import quantize
 from pallas_kernels.triton_call import triton_call
 
 BLOCK_TOKENS = 32  # tokens per write_kv program
 TILE_ELEMENTS = 4096  # elements per copy_blocks step: 16 KiB of f32 in flight per program
 
 
-def _write_kv_kernel(slots_ref, k_ref, v_ref, _k_in, _v_in, k_pages_ref, v_pages_ref, *, head_dim):
+def _write_kv_kernel(slots_ref, k_ref, v_ref, *refs, head_dim):
     # slots_ref: i32[num_tokens]; k_ref, v_ref: [num_tokens, num_kv_heads, head_dim]
-    # _k_in, _v_in: the aliased page inputs (same buffers as the outputs; unused)
-    # k_pages_ref, v_pages_ref: [num_kv_heads, num_blocks, block_size, head_dim]
+    # refs: the aliased inputs (same buffers as the outputs; unused), then the outputs
+    #   k_pages_ref, v_pages_ref [num_kv_heads, num_blocks, block_size, head_dim] and, for int8/fp8
+    #   pages, k_scales_ref, v_scales_ref f32[num_kv_heads, num_blocks, block_size]
+    k_pages_ref, v_pages_ref, *scale_refs = refs[len(refs) // 2:]
     chunk, head = pl.program_id(0), pl.program_id(1)
     num_tokens = slots_ref.shape[0]
     _, num_blocks, block_size, _ = k_pages_ref.shape
@@ -37,10 +40,15 @@ def _write_kv_kernel(slots_ref, k_ref, v_ref, _k_in, _v_in, k_pages_ref, v_pages
     offset = jnp.where(ok, jax.lax.rem(slot, block_size), 0)
     dims = jnp.arange(pow2_at_least(head_dim, 16))[None, :]
     mask = ok[:, None] & (dims < head_dim)
-    for src, dst in ((k_ref, k_pages_ref), (v_ref, v_pages_ref)):
+    for src, dst, scale_ref in zip((k_ref, v_ref), (k_pages_ref, v_pages_ref),
+                                   scale_refs or (None, None)):
         x = plgpu.load(src.at[tok[:, None], head, dims], mask=mask, other=0)
-        plgpu.store(dst.at[head, block[:, None], offset[:, None], dims], x.astype(dst.dtype),
-                    mask=mask)
+        if scale_ref is None:
+            x = x.astype(dst.dtype)
+        else:  # padded dims load 0, so they do not move a row's scale
+            x, scale = quantize(x, dst.dtype)
+            plgpu.store(scale_ref.at[head, block, offset], scale, mask=ok)
+        plgpu.store(dst.at[head, block[:, None], offset[:, None], dims], x, mask=mask)
 
 
 def _copy_blocks_kernel(src_ref, dst_ref, _k_in, _v_in, k_pages_ref, v_pages_ref, *, head_dim):
@@ -57,7 +65,8 @@ def _copy_blocks_kernel(src_ref, dst_ref, _k_in, _v_in, k_pages_ref, v_pages_ref
         offset = j * rows + jnp.arange(rows)
         mask = (offset < block_size)[:, None] & (dims < head_dim)
         for ref in (k_pages_ref, v_pages_ref):
-            x = plgpu.load(ref.at[head, src, offset[:, None], dims], mask=mask, other=0)
+            x = plgpu.load(ref.at[head, src, offset[:, None], dims], mask=mask,
+                           other=zero(ref.dtype))
             plgpu.store(ref.at[head, dst, offset[:, None], dims], x, mask=mask)
         return carry
 
@@ -67,29 +76,29 @@ def _copy_blocks_kernel(src_ref, dst_ref, _k_in, _v_in, k_pages_ref, v_pages_ref
     jax.lax.fori_loop(0, steps, step, 0)
 
 
-def _call(kernel, grid, inputs, k_pages, v_pages, name, interpret):
-    """The pages are the last two inputs and alias the two outputs."""
+def _call(kernel, grid, inputs, pages, name, interpret):
+    """The `pages` (K/V pages, and scales if any) are the last inputs and alias the outputs."""
     n = len(inputs)
-    out_shape = (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-                 jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype))
-    return triton_call(kernel, (*inputs, k_pages, v_pages), out_shape, grid=grid, name=name,
-                       aliases={n: 0, n + 1: 1}, interpret=interpret, num_warps=4, num_stages=1)
+    out_shape = tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pages)
+    return triton_call(kernel, (*inputs, *pages), out_shape, grid=grid, name=name,
+                       aliases={n + i: i for i in range(len(pages))}, interpret=interpret,
+                       num_warps=4, num_stages=1)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def _write_kv(k_pages, v_pages, k, v, slot_mapping, *, interpret):
+def _write_kv(pages, k, v, slot_mapping, *, interpret):
     num_tokens, num_kv_heads, head_dim = k.shape
     kernel = functools.partial(_write_kv_kernel, head_dim=head_dim)
     grid = (pl.cdiv(num_tokens, BLOCK_TOKENS), num_kv_heads)
-    return _call(kernel, grid, (slot_mapping.astype(jnp.int32), k, v), k_pages, v_pages,
-                 "write_kv", interpret)
+    return _call(kernel, grid, (slot_mapping.astype(jnp.int32), k, v), pages, "write_kv",
+                 interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def _copy_blocks(k_pages, v_pages, src, dst, *, interpret):
     kernel = functools.partial(_copy_blocks_kernel, head_dim=k_pages.shape[3])
     return _call(kernel, (src.shape[0], k_pages.shape[0]), (src.astype(jnp.int32),
-                 dst.astype(jnp.int32)), k_pages, v_pages, "copy_blocks", interpret)
+                 dst.astype(jnp.int32)), (k_pages, v_pages), "copy_blocks", interpret)
 
 
 def write_kv(
@@ -99,11 +108,16 @@ def write_kv(
     v,  # [num_tokens, num_kv_heads, head_dim]
     slot_mapping,  # i32[num_tokens]; block_id * block_size + offset, -1 = skip
     *,
+    k_scales=None,  # f32[num_kv_heads, num_blocks, block_size]: with int8/fp8 pages
+    v_scales=None,  # f32[num_kv_heads, num_blocks, block_size]
     interpret=False,
 ):
-    """-> (k_pages, v_pages) with token t's K/V at its slot. Slots must be unique (vLLM's
-    slot_mapping is); donate the pages to update them in place."""
+    """-> (k_pages, v_pages) with token t's K/V at its slot; for int8/fp8 pages, quantized per
+    (token, KV head) (quantization.quantize), -> (k_pages, v_pages, k_scales, v_scales). Slots
+    must be unique (vLLM's slot_mapping is); donate the pages to update them in place."""
     num_kv_heads, _, _, head_dim = checks.check_pages(k_pages, v_pages)
+    quantized = checks.check_scales(k_pages, k_scales, v_scales, interpret=bool(interpret))
+    pages = (k_pages, v_pages, k_scales, v_scales) if quantized else (k_pages, v_pages)
     checks.check_rank("k", k, 3)
     num_tokens = jnp.shape(k)[0]
     if tuple(jnp.shape(k)) != (num_tokens, num_kv_heads, head_dim) or jnp.shape(v) != jnp.shape(k):
@@ -113,8 +127,8 @@ def write_kv(
     if head_dim > checks.MAX_HEAD_DIM:
         raise ValueError(f"head_dim {head_dim} is not supported (1..{checks.MAX_HEAD_DIM})")
     if num_tokens == 0:
-        return k_pages, v_pages
-    return _write_kv(k_pages, v_pages, k, v, slot_mapping, interpret=bool(interpret))
+        return pages
+    return _write_kv(pages, k, v, slot_mapping, interpret=bool(interpret))
 
 
 def copy_blocks(
@@ -145,14 +159,28 @@ def write_kv_reference(
     k,  # [num_tokens, num_kv_heads, head_dim]
     v,  # [num_tokens, num_kv_heads, head_dim]
     slot_mapping,  # i32[num_tokens]; block_id * block_size + offset, -1 = skip
+    *,
+    k_scales=None,  # f32[num_kv_heads, num_blocks, block_size]: with int8/fp8 pages
+    v_scales=None,  # f32[num_kv_heads, num_blocks, block_size]
 ):
+    """As `write_kv`: (k_pages, v_pages), or with scales (k_pages, v_pages, k_scales, v_scales)."""
     num_blocks, block_size = k_pages.shape[1:3]
     # -1 -> an out-of-range block, which the scatter drops
     block = jnp.where(slot_mapping >= 0, slot_mapping // block_size, num_blocks)
     offset = slot_mapping % block_size
-    k_pages = k_pages.at[:, block, offset].set(k.swapaxes(0, 1).astype(k_pages.dtype), mode="drop")
-    v_pages = v_pages.at[:, block, offset].set(v.swapaxes(0, 1).astype(v_pages.dtype), mode="drop")
-    return k_pages, v_pages
+    if k_scales is None:
+        k_pages = k_pages.at[:, block, offset].set(k.swapaxes(0, 1).astype(k_pages.dtype),
+                                                   mode="drop")
+        v_pages = v_pages.at[:, block, offset].set(v.swapaxes(0, 1).astype(v_pages.dtype),
+                                                   mode="drop")
+        return k_pages, v_pages
+    out = []
+    for pages, scales, x in ((k_pages, k_scales, k), (v_pages, v_scales, v)):
+        qx, scale = quantize(x.swapaxes(0, 1), pages.dtype)
+        out.append((pages.at[:, block, offset].set(qx, mode="drop"),
+                    scales.at[:, block, offset].set(scale, mode="drop")))
+    (k_pages, k_scales), (v_pages, v_scales) = out
+    return k_pages, v_pages, k_scales, v_scales
 
 
 def copy_blocks_reference(

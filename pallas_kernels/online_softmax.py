@@ -29,6 +29,12 @@ def pow2_at_least(n: int, floor: int = 1) -> int:
     return max(floor, 1 << max(0, n - 1).bit_length())
 
 
+def zero(dtype):
+    """The `other` of a masked load from a ref of `dtype`: jax's Triton lowering casts an int
+    literal to the ref's dtype, which it cannot do for fp8 (a float literal it can)."""
+    return 0.0 if jnp.dtype(dtype) == jnp.float8_e4m3fn else 0
+
+
 def dot(a, b, *, trans_b=False):
     """f32 accumulation; HIGHEST keeps f32 inputs off TF32 (1e-5 accuracy), and is the plain
     tensor-core path for bf16/f16."""
@@ -69,9 +75,13 @@ def attend_tiles(
     head_dim: int,
     sm_scale: float,
     soft_cap: float | None,
+    k_scale_ref=None,  # f32[num_blocks, block_size]: quantized pages' per-token scales, or None
+    v_scale_ref=None,  # f32[num_blocks, block_size]
 ):
     """-> (m f32[block_m], l f32[block_m], acc f32[block_m, head_dim_p]): running max (of base-2
-    logits), softmax denominator and unnormalised output."""
+    logits), softmax denominator and unnormalised output. With scales (int8/fp8 pages, see
+    quantization.py) the keys and values are cast to q's dtype in registers, the logits multiplied
+    by the key scales and the probabilities by the value scales; without, the code is as before."""
     block_m, head_dim_p = q.shape
     num_blocks, block_size, _ = k_ref.shape
     dims = jnp.arange(head_dim_p)[None, :]
@@ -84,7 +94,11 @@ def attend_tiles(
         idx = ref.at[blocks[:, None], offsets[:, None], dims]
         if mask is None:
             return idx[...]
-        return plgpu.load(idx, mask=mask, other=0)
+        return plgpu.load(idx, mask=mask, other=zero(ref.dtype))
+
+    def load_scale(ref, blocks, offsets, need):  # -> f32[block_n]
+        idx = ref.at[blocks, offsets]
+        return idx[...] if need is None else plgpu.load(idx, mask=need, other=0.0)
 
     def step(t, carry, masked):
         m, l, acc = carry  # f32[block_m], f32[block_m], f32[block_m, head_dim_p]
@@ -100,7 +114,11 @@ def attend_tiles(
         blocks = jnp.clip(blocks, 0, num_blocks - 1)
         offsets = jax.lax.rem(pos, block_size)
         k = load_kv(k_ref, blocks, offsets, need)
+        if k_scale_ref is not None:
+            k = k.astype(q.dtype)
         s = dot(q, k, trans_b=True)  # f32[block_m, block_n]
+        if k_scale_ref is not None:
+            s = s * load_scale(k_scale_ref, blocks, offsets, need)[None, :]
         if soft_cap is None:
             s = s * (sm_scale * LOG2E)
         else:
@@ -114,7 +132,11 @@ def attend_tiles(
         if masked:
             p = jnp.where(visible, p, 0.0)  # a row with no visible key yet keeps l = 0
         v = load_kv(v_ref, blocks, offsets, need)
-        acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
+        if v_scale_ref is None:
+            acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
+        else:
+            pv = p * load_scale(v_scale_ref, blocks, offsets, need)[None, :]
+            acc = acc * alpha[:, None] + dot(pv.astype(q.dtype), v.astype(q.dtype))
         return m_new, l * alpha + p.sum(axis=1), acc
 
     def masked_step(t, carry):

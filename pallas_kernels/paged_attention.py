@@ -38,13 +38,21 @@ DECODE_TILES = {
               (4, 64): (64, 8, 2), (4, 128): (32, 8, 2), (4, 256): (16, 8, 2)},
 }
 DECODE_TILES["sm_80"] = DECODE_TILES["sm_90"]  # they fit the A100 too: <= 50 KB of 163 KB shared
+# int8/fp8 pages: the cast keys and the scale vectors take registers. At the rows above f32 hd128
+# spilled 94 stores (sm_90) and 16-bit hd128 one store (sm_90, 4 warps)
+# (scripts/check_gpu_kernels.py --quantized).
+QUANTIZED_DECODE_TILES = {(2, 128): (64, 8, 2), (4, 128): (16, 8, 2)}
 
 
-def decode_tiles(dtype, head_dim, arch=None):
-    """-> dict(block_n, num_warps, num_stages): DECODE_TILES' row for pages of `dtype` and
-    `head_dim` on `arch` (default: the GPU being built for)."""
+def decode_tiles(dtype, head_dim, arch=None, quantized=False):
+    """-> dict(block_n, num_warps, num_stages): DECODE_TILES' row for queries of `dtype` and
+    `head_dim` on `arch` (default: the GPU being built for); QUANTIZED_DECODE_TILES' first, for
+    int8/fp8 pages."""
     rows = targets.nearest(DECODE_TILES, arch or targets.gpu_arch())
-    block_n, num_warps, num_stages = rows[jnp.dtype(dtype).itemsize, pow2_at_least(head_dim, 64)]
+    key = jnp.dtype(dtype).itemsize, pow2_at_least(head_dim, 64)
+    if quantized:
+        rows = {**rows, **QUANTIZED_DECODE_TILES}
+    block_n, num_warps, num_stages = rows[key]
     return dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
 
 
@@ -61,13 +69,17 @@ def _group_rows(seq, head, group, block_m, num_kv_heads, num_rows, head_dim):
 
 
 def _decode_kernel(tables_ref, lens_ref, q_ref, k_ref, v_ref, *out_refs, group, block_m, block_n,
-                   head_dim, num_kv_heads, num_splits, sm_scale, soft_cap, sliding_window):
+                   head_dim, num_kv_heads, num_splits, sm_scale, soft_cap, sliding_window,
+                   quantized=False):
     # tables_ref: i32[num_seqs, max_blocks_per_seq]; lens_ref: i32[num_seqs]
     # q_ref: [num_seqs * num_heads, head_dim]
     # k_ref, v_ref: [num_blocks, block_size, head_dim] (this program's KV head)
+    # quantized: out_refs starts with ks_ref, vs_ref f32[num_blocks, block_size] (its scales)
     # out_refs: o_ref [num_seqs * num_heads, head_dim] when num_splits == 1 (an aliased `out`
     #   input comes first, untouched), else acc_ref f32[num_splits, num_seqs * num_heads, head_dim],
     #   m_ref f32[num_splits, num_seqs * num_heads], l_ref f32[num_splits, num_seqs * num_heads]
+    scales = dict(k_scale_ref=out_refs[0], v_scale_ref=out_refs[1]) if quantized else {}
+    out_refs = out_refs[2:] if quantized else out_refs
     seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows, live, dims, mask = _group_rows(seq, head, group, block_m, num_kv_heads, q_ref.shape[0],
                                          head_dim)
@@ -80,7 +92,7 @@ def _decode_kernel(tables_ref, lens_ref, q_ref, k_ref, v_ref, *out_refs, group, 
     ranges = tile_ranges(lo, lo, length, length, block_n, split, num_splits)
     m, l, acc = attend_tiles(q, k_ref, v_ref, tables_ref, seq, lo, length, lo, length, ranges,
                              block_n=block_n, head_dim=head_dim, sm_scale=sm_scale,
-                             soft_cap=soft_cap)
+                             soft_cap=soft_cap, **scales)
     if num_splits == 1:
         o_ref = out_refs[-1]
         plgpu.store(o_ref.at[rows[:, None], dims], normalize(acc, l).astype(o_ref.dtype), mask=mask)
@@ -118,8 +130,9 @@ def _combine_kernel(acc_ref, m_ref, l_ref, *out_refs, group, block_m, head_dim, 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "soft_cap", "sliding_window", "interpret", "block_n", "num_splits", "num_warps",
     "num_stages"))
-def _paged_attention(q, k_pages, v_pages, block_tables, seq_lens, out, *, sm_scale, soft_cap,
-                     sliding_window, interpret, block_n, num_splits, num_warps, num_stages):
+def _paged_attention(q, k_pages, v_pages, block_tables, seq_lens, out, k_scales, v_scales, *,
+                     sm_scale, soft_cap, sliding_window, interpret, block_n, num_splits, num_warps,
+                     num_stages):
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = k_pages.shape
     group = num_heads // num_kv_heads
@@ -133,8 +146,13 @@ def _paged_attention(q, k_pages, v_pages, block_tables, seq_lens, out, *, sm_sca
     kv_spec = pl.BlockSpec((None, num_blocks, block_size, head_dim), lambda s, h, p: (h, 0, 0, 0))
     in_specs = [pl.no_block_spec] * 3 + [kv_spec, kv_spec]
     inputs = (block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32), q_rows, k_pages, v_pages)
+    quantized = k_scales is not None
+    if quantized:  # only then: the unquantized kernel's code is unchanged
+        scale_spec = pl.BlockSpec((None, num_blocks, block_size), lambda s, h, p: (h, 0, 0))
+        in_specs, inputs = in_specs + [scale_spec, scale_spec], (*inputs, k_scales, v_scales)
     kernel = functools.partial(_decode_kernel, block_n=block_n, sm_scale=sm_scale,
-                               soft_cap=soft_cap, sliding_window=sliding_window, **params)
+                               soft_cap=soft_cap, sliding_window=sliding_window,
+                               quantized=quantized, **params)
     grid = (num_seqs, num_kv_heads, num_splits)
     out_shape = jax.ShapeDtypeStruct((num_rows, head_dim), q.dtype)
     if num_splits == 1:
@@ -175,17 +193,21 @@ def paged_attention(
     sliding_window=None,
     interpret=False,
     out=None,  # [num_seqs, num_heads, head_dim]: buffer written in place (aliased), like vLLM's
+    k_scales=None,  # f32[num_kv_heads, num_blocks, block_size]: with int8/fp8 pages
+    v_scales=None,  # f32[num_kv_heads, num_blocks, block_size]
     **tuning,  # block_n (keys per tile), num_splits, num_warps, num_stages
 ):
     """Decode attention of each sequence's newest token over its cached keys `[0, seq_len)`, or its
-    last `sliding_window` of them. Tuning defaults: DECODE_TILES, and num_splits from the shapes."""
+    last `sliding_window` of them. Tuning defaults: DECODE_TILES, and num_splits from the shapes.
+    Quantized pages (quantization.py) are dequantized in registers with their scales."""
     _, num_kv_heads, head_dim = checks.check_attention(q, k_pages, v_pages, block_tables,
-                                                       seq_lens, out)
+                                                       seq_lens, out, k_scales, v_scales,
+                                                       interpret=bool(interpret))
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError(f"q has {q.shape[0]} sequences, block_tables {block_tables.shape[0]}")
     checks.check_options(sm_scale, soft_cap, sliding_window)
     num_seqs, max_blocks = block_tables.shape
-    defaults = decode_tiles(q.dtype, head_dim)
+    defaults = decode_tiles(q.dtype, head_dim, quantized=k_scales is not None)
     block_n = tuning.get("block_n", defaults["block_n"])
     defaults["num_splits"] = _default_splits(num_seqs, num_kv_heads, max_blocks * k_pages.shape[2],
                                              block_n, sliding_window)
@@ -195,7 +217,7 @@ def paged_attention(
     if num_seqs == 0:
         return jnp.zeros_like(q)
     sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
-    return _paged_attention(q, k_pages, v_pages, block_tables, seq_lens, out,
+    return _paged_attention(q, k_pages, v_pages, block_tables, seq_lens, out, k_scales, v_scales,
                             sm_scale=float(sm_scale),
                             soft_cap=None if soft_cap is None else float(soft_cap),
                             sliding_window=None if sliding_window is None else int(sliding_window),
@@ -212,9 +234,12 @@ def paged_attention_reference(
     sm_scale=None,
     soft_cap=None,
     sliding_window=None,
+    k_scales=None,  # f32[num_kv_heads, num_blocks, block_size]: with int8/fp8 pages
+    v_scales=None,  # f32[num_kv_heads, num_blocks, block_size]
 ):
     """Decode is the ragged case with one query token per sequence."""
     num_seqs = q.shape[0]
     return ragged_paged_attention_reference(
         q, k_pages, v_pages, block_tables, seq_lens, jnp.arange(num_seqs + 1, dtype=jnp.int32),
-        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, k_scales=k_scales,
+        v_scales=v_scales)

@@ -23,6 +23,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import checks, targets
 from pallas_kernels.online_softmax import (MASK_VALUE, attend_tiles, normalize, pow2_at_least,
                                            tile_ranges)
+from pallas_kernels.quantization import dequantize
 from pallas_kernels.triton_call import triton_call
 
 # arch -> (bytes per KV element, head_dim padded to a power of two >= 64) -> (block_m query rows,
@@ -40,12 +41,18 @@ RAGGED_TILES = {
               (4, 64): (64, 32, 8, 2), (4, 128): (32, 16, 8, 2), (4, 256): (16, 32, 8, 2)},
 }
 RAGGED_TILES["sm_80"] = {**RAGGED_TILES["sm_90"], (2, 64): (64, 64, 8, 2)}
+# int8/fp8 pages: the cast keys and the scale vectors take registers; f32 hd128 at its row above
+# spilled 135 stores on sm_90 (scripts/check_gpu_kernels.py).
+QUANTIZED_RAGGED_TILES = {(4, 128): (16, 16, 8, 2)}
 
 
-def ragged_tiles(dtype, head_dim, arch=None):
-    """-> dict(block_m, block_n, num_warps, num_stages): RAGGED_TILES' row for pages of `dtype` and
-    `head_dim` on `arch` (default: the GPU being built for)."""
+def ragged_tiles(dtype, head_dim, arch=None, quantized=False):
+    """-> dict(block_m, block_n, num_warps, num_stages): RAGGED_TILES' row for queries of `dtype`
+    and `head_dim` on `arch` (default: the GPU being built for); QUANTIZED_RAGGED_TILES' first, for
+    int8/fp8 pages."""
     rows = targets.nearest(RAGGED_TILES, arch or targets.gpu_arch())
+    if quantized:
+        rows = {**rows, **QUANTIZED_RAGGED_TILES}
     block_m, block_n, num_warps, num_stages = rows[jnp.dtype(dtype).itemsize,
                                                    pow2_at_least(head_dim, 64)]
     return dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
@@ -53,14 +60,16 @@ def ragged_tiles(dtype, head_dim, arch=None):
 
 def _ragged_kernel(tile_seq_ref, tile_start_ref, qsl_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,
                    *out_refs, group, block_m, block_n, head_dim, num_heads, sm_scale, soft_cap,
-                   sliding_window):
+                   sliding_window, quantized=False):
     # tile_seq_ref: i32[num_tiles], the tile's sequence (num_seqs: the padding tokens)
     # tile_start_ref: i32[num_tiles], the tile's first query token
     # qsl_ref: i32[num_seqs + 1], non-decreasing within [0, num_tokens]
     # lens_ref: i32[num_seqs]; tables_ref: i32[num_seqs, max_blocks_per_seq]
     # q_ref: [num_tokens * num_heads, head_dim]
     # k_ref, v_ref: [num_blocks, block_size, head_dim] (this program's KV head)
-    # out_refs: o_ref [num_tokens * num_heads, head_dim] (an aliased `out` input comes first)
+    # out_refs: o_ref [num_tokens * num_heads, head_dim] (an aliased `out` input comes first);
+    #   quantized: after ks_ref, vs_ref f32[num_blocks, block_size] (this KV head's scales)
+    scales = dict(k_scale_ref=out_refs[0], v_scale_ref=out_refs[1]) if quantized else {}
     o_ref = out_refs[-1]
     tile, head = pl.program_id(0), pl.program_id(1)
     num_seqs = lens_ref.shape[0]
@@ -98,7 +107,7 @@ def _ragged_kernel(tile_seq_ref, tile_start_ref, qsl_ref, lens_ref, tables_ref, 
     ranges = tile_ranges(lo_min, lo_max, hi_min, hi_max, block_n)
     _, l, acc = attend_tiles(q, k_ref, v_ref, tables_ref, jnp.minimum(seq, num_seqs - 1), lo,
                              hi[:, None], lo_min, hi_max, ranges, block_n=block_n,
-                             head_dim=head_dim, sm_scale=sm_scale, soft_cap=soft_cap)
+                             head_dim=head_dim, sm_scale=sm_scale, soft_cap=soft_cap, **scales)
     plgpu.store(o_ref.at[rows[:, None], dims], normalize(acc, l).astype(o_ref.dtype), mask=mask)
 
 
@@ -121,9 +130,9 @@ def _tile_table(query_start_loc, num_tokens, block_q, num_tiles):
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "soft_cap", "sliding_window", "interpret", "block_m", "block_n", "num_warps",
     "num_stages"))
-def _ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, out, *,
-                            sm_scale, soft_cap, sliding_window, interpret, block_m, block_n,
-                            num_warps, num_stages):
+def _ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, out,
+                            k_scales, v_scales, *, sm_scale, soft_cap, sliding_window, interpret,
+                            block_m, block_n, num_warps, num_stages):
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = k_pages.shape
     num_seqs = block_tables.shape[0]
@@ -135,13 +144,18 @@ def _ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_s
     kv_spec = pl.BlockSpec((None, num_blocks, block_size, head_dim), lambda t, h: (h, 0, 0, 0))
     inputs = [tile_seq, tile_start, qsl, seq_lens.astype(jnp.int32),
               block_tables.astype(jnp.int32), q.reshape(num_rows, head_dim), k_pages, v_pages]
+    in_specs = [pl.no_block_spec] * 6 + [kv_spec, kv_spec]
+    quantized = k_scales is not None
+    if quantized:  # only then: the unquantized kernel's code is unchanged
+        scale_spec = pl.BlockSpec((None, num_blocks, block_size), lambda t, h: (h, 0, 0))
+        inputs, in_specs = inputs + [k_scales, v_scales], in_specs + [scale_spec, scale_spec]
     kernel = functools.partial(
         _ragged_kernel, group=group, block_m=block_m, block_n=block_n, head_dim=head_dim,
-        num_heads=num_heads, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+        num_heads=num_heads, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        quantized=quantized)
     o = triton_call(
         kernel, inputs, jax.ShapeDtypeStruct((num_rows, head_dim), q.dtype),
-        grid=(num_tiles, num_kv_heads), name="ragged_paged_attention",
-        in_specs=[pl.no_block_spec] * 6 + [kv_spec, kv_spec],
+        grid=(num_tiles, num_kv_heads), name="ragged_paged_attention", in_specs=in_specs,
         out=None if out is None else out.reshape(num_rows, head_dim), interpret=interpret,
         num_warps=num_warps, num_stages=num_stages)
     return o.reshape(q.shape)
@@ -160,17 +174,22 @@ def ragged_paged_attention(
     sliding_window=None,
     interpret=False,
     out=None,  # [num_tokens, num_heads, head_dim]: buffer written in place (aliased), like vLLM's
+    k_scales=None,  # f32[num_kv_heads, num_blocks, block_size]: with int8/fp8 pages
+    v_scales=None,  # f32[num_kv_heads, num_blocks, block_size]
     **tuning,  # block_m (query rows per tile: tokens x group heads), block_n, num_warps, num_stages
 ):
     """Sequence s's tokens are the last qsl[s+1] - qsl[s] of its seq_lens[s] tokens and attend
-    causally (and within `sliding_window`); tokens past qsl[num_seqs] give zeros."""
-    num_heads, num_kv_heads, head_dim = checks.check_attention(q, k_pages, v_pages, block_tables,
-                                                               seq_lens, out)
+    causally (and within `sliding_window`); tokens past qsl[num_seqs] give zeros. Quantized pages
+    (quantization.py) are dequantized in registers with their scales."""
+    num_heads, num_kv_heads, head_dim = checks.check_attention(
+        q, k_pages, v_pages, block_tables, seq_lens, out, k_scales, v_scales,
+        interpret=bool(interpret))
     num_seqs = block_tables.shape[0]
     checks.check_int("query_start_loc", query_start_loc, (num_seqs + 1,))
     checks.check_options(sm_scale, soft_cap, sliding_window)
     group = num_heads // num_kv_heads
-    tuning = checks.check_tuning(tuning, ragged_tiles(q.dtype, head_dim),
+    tuning = checks.check_tuning(tuning, ragged_tiles(q.dtype, head_dim,
+                                                      quantized=k_scales is not None),
                                  pow2=("block_m", "block_n", "num_warps"))
     if tuning["block_n"] < 16:
         raise ValueError(f"block_n must be >= 16 (the smallest tl.dot), got {tuning['block_n']}")
@@ -180,7 +199,8 @@ def ragged_paged_attention(
         return jnp.zeros_like(q)
     sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
     return _ragged_paged_attention(
-        q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, out, sm_scale=float(sm_scale),
+        q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, out, k_scales, v_scales,
+        sm_scale=float(sm_scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         sliding_window=None if sliding_window is None else int(sliding_window),
         interpret=bool(interpret), **tuning)
@@ -211,9 +231,12 @@ def ragged_paged_attention_reference(
     soft_cap=None,
     sliding_window=None,
     blocks_per_chunk=8,
+    k_scales=None,  # f32[num_kv_heads, num_blocks, block_size]: with int8/fp8 pages
+    v_scales=None,  # f32[num_kv_heads, num_blocks, block_size]
 ):
     """Plain jnp: for each token, a loop over chunks of its sequence's blocks with an f32 online
-    softmax. Chunks no token needs are not visited, so it is also the fast path on CPU."""
+    softmax. Chunks no token needs are not visited, so it is also the fast path on CPU. Quantized
+    pages are dequantized chunk by chunk before the dot products."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     group = num_heads // num_kv_heads
@@ -232,8 +255,13 @@ def ragged_paged_attention_reference(
     def body(c, carry):
         m, l, acc = carry  # f32[T, KVH, G], f32[T, KVH, G], f32[T, KVH, G, D]
         blocks = jax.lax.dynamic_slice_in_dim(tables, c * chunk, chunk, axis=1)  # i32[T, chunk]
-        k = k_pages[:, blocks].reshape(num_kv_heads, num_tokens, span, head_dim).astype(jnp.float32)
-        v = v_pages[:, blocks].reshape(num_kv_heads, num_tokens, span, head_dim).astype(jnp.float32)
+        k, v = (pages[:, blocks].reshape(num_kv_heads, num_tokens, span, head_dim)
+                for pages in (k_pages, v_pages))
+        if k_scales is None:
+            k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+        else:
+            k, v = (dequantize(x, scales[:, blocks].reshape(num_kv_heads, num_tokens, span))
+                    for x, scales in ((k, k_scales), (v, v_scales)))
         s = jnp.einsum("tkgd,ktld->tkgl", qg, k) * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)

@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 
 from models.llama import Llama, preset
-from paged_jax import LLM
+from paged_jax import LLM, SamplingParams
 
 _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                    "/jax/core/compile/backend_compile_duration")
@@ -160,3 +160,23 @@ def run_engine(llm, prompts, params, *, read_pool: bool = False) -> dict:
                 max_running=stats["max_num_running"], mean_running=stats["mean_num_running"],
                 prefill_tokens=stats["prefill_tokens"], stats=stats,
                 utilisation=held / allocated if allocated else None)
+
+
+
+def forced_agreement(llm, reference) -> tuple[float, float]:
+    """Score greedy answers of another run (RequestOutputs with logprobs=0, e.g. from an
+    unquantized KV cache) under `llm`, each answer fed back as its prompt's continuation (prompt
+    logprobs), so every position is judged in the same context: -> (share of answer tokens that
+    are also `llm`'s greedy choice, mean |logprob difference| of those tokens between the runs).
+    Free-running answers, once they part at a near tie, continue different texts and stop being
+    comparable position by position."""
+    prompts = [r.prompt_token_ids + r.outputs[0].token_ids for r in reference]
+    scored = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1))
+    same, diffs = 0, []
+    for ref, out in zip(reference, scored):
+        start = len(ref.prompt_token_ids)
+        for j, (token, logprobs) in enumerate(zip(ref.outputs[0].token_ids, ref.outputs[0].logprobs)):
+            entry = out.prompt_logprobs[start + j][token]
+            same += entry.rank == 1
+            diffs.append(abs(entry.logprob - logprobs[token].logprob))
+    return same / len(diffs), float(np.mean(diffs))

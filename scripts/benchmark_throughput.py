@@ -7,6 +7,7 @@ all submitted at once with ignore_eos, greedy, on one random Llama (58M paramete
     python scripts/benchmark_throughput.py --section capacity --hidden-size 256 --num-layers 4
                                                                 # the same requests, rising engine capacity
     python scripts/benchmark_throughput.py --section window     # one KV budget, with and without a window
+    python scripts/benchmark_throughput.py --section kv-dtype   # one KV budget: auto / int8 / fp8 pages
 
 Sections: `engines`: the paged engine (block_size 16); the same engine with block_size = max_model_len
 (a contiguous reservation of the longest answer per request); a plain JAX greedy loop over a dense KV
@@ -16,7 +17,8 @@ claim, with one KV budget small enough that it, not --max-num-seqs, limits the c
 output tokens) on engines of rising max_num_seqs x max_model_len up to GPU defaults (256, 131072),
 then 128 requests at the largest: the cost of a step must follow the work, not the capacity.
 `window`: the same weights as Llama (every layer global) and as Mistral with a sliding window (blocks
-behind it go back to the pool), one KV budget, long generations. Run
+behind it go back to the pool), one KV budget, long generations. `kv-dtype`: real weights, one KV
+budget, the pages in the model's dtype, int8 and fp8 (scripts/kv_dtype_section.py). Run
 time excludes jit compile time (each engine first runs other prompts of the same lengths).
 """
 from __future__ import annotations
@@ -33,7 +35,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 import numpy as np  # noqa: E402
 
 from paged_jax import SamplingParams  # noqa: E402
-from scripts import baselines, benchlib  # noqa: E402
+from scripts import baselines, benchlib, kv_dtype_section  # noqa: E402
 
 COMMON = [("name", "method", "s")]
 COLUMNS = {
@@ -178,7 +180,8 @@ def run_section(args, model):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--section", choices=tuple(COLUMNS), default="engines")
+    ap.add_argument("--section", choices=(*COLUMNS, "kv-dtype"), default="engines")
+    ap.add_argument("--kv-model", help="kv-dtype: a model dir or .gguf (default: SmolLM2 if fetched, else stories260K)")
     ap.add_argument("--num-requests", type=int, default=None, help="default: 16 (engines, memory), 32 (prefix)")
     ap.add_argument("--input-len", type=int, default=160, help="mean prompt length")
     ap.add_argument("--output-len", type=int, default=340, help="mean answer length")
@@ -198,6 +201,12 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.max_model_len & (args.max_model_len - 1):
         ap.error(f"--max-model-len {args.max_model_len}: the contiguous run's block size, so a power of two")
+    if args.section == "kv-dtype":
+        args.output_len = 64 if args.output_len == ap.get_default("output_len") else args.output_len
+        rows, info = kv_dtype_section.kv_dtype_rows(args)
+        print(info)
+        benchlib.print_table(rows, kv_dtype_section.COLUMNS)
+        return
     args.num_requests = args.num_requests or (32 if args.section == "prefix" else 16)
     model = benchlib.random_llama(args, 131072 if args.section == "capacity" else args.max_model_len)
     rows, baseline, info = run_section(args, model)

@@ -6,6 +6,7 @@ launch, or spills, is marked; the exit status is 1 if any is.
 
     python scripts/check_gpu_kernels.py [--kernels decode ragged --dtypes float32 --archs sm_90]
     python scripts/check_gpu_kernels.py --all   # also every GQA group and block size, soft cap
+    python scripts/check_gpu_kernels.py --quantized  # int8 / fp8 pages (quantized_builds)
 """
 import argparse
 import json
@@ -22,9 +23,10 @@ COLUMNS = ("kernel", "dtype", "hd", "group", "bs", "arch", "warps", "stages", "r
 
 
 def builds(args):
-    """-> [(Variant, arch)] the filters select: from engine_builds() with --all, else their cross
-    product."""
-    chosen = gpu_variants.engine_builds() if args.all else [
+    """-> [(Variant, arch)] the filters select: from engine_builds() with --all (quantized_builds()
+    with --quantized), else their cross product."""
+    every = gpu_variants.quantized_builds() if args.quantized else gpu_variants.engine_builds()
+    chosen = every if args.all or args.quantized else [
         (gpu_variants.Variant(k, d, h, g, b), arch) for k in args.kernels for d in args.dtypes
         for h in args.head_dims for g in args.groups for b in args.block_sizes for arch in args.archs]
     return [(v, arch) for v, arch in chosen if v.kernel in args.kernels and v.dtype in args.dtypes
@@ -47,7 +49,8 @@ def measure(chosen, workers):
     for (v, arch, k), s in zip(launches, stats):
         rows.append(dict(
             kernel=k.name, dtype=v.dtype, hd=v.head_dim, group=v.group, bs=v.block_size,
-            soft_cap=v.soft_cap, sliding_window=v.sliding_window, arch=arch, warps=k.num_warps,
+            soft_cap=v.soft_cap, sliding_window=v.sliding_window, kv=v.kv_dtype, arch=arch,
+            warps=k.num_warps,
             stages=k.num_stages, regs=s.registers, spills=s.spill_stores, stack=s.stack,
             shared=s.shared, cubin=s.cubin_bytes, loads_128=s.loads_128,
             loads=s.loads_128 + s.loads_narrow, problem=s.fits(arch)))
@@ -59,6 +62,7 @@ def markdown(rows):
     for r in rows:
         name = r["kernel"] + ("" if r["soft_cap"] is None else
                               f" (cap {r['soft_cap']:g}, window {r['sliding_window']})")
+        name += "" if r["kv"] is None else f" ({r['kv']} pages)"
         cells = (name, r["dtype"], r["hd"], r["group"], r["bs"], r["arch"], r["warps"],
                  r["stages"], r["regs"], r["spills"], r["stack"], f"{r['shared'] / 1024:.1f}",
                  f"{r['cubin'] / 1024:.0f}", f"{r['loads_128']} of {r['loads']}",
@@ -80,6 +84,8 @@ def main(argv=None):
                     choices=targets.GPU_TARGETS)
     ap.add_argument("--all", action="store_true",
                     help="every build the tests compile (engine_builds), within the filters")
+    ap.add_argument("--quantized", action="store_true",
+                    help="the int8 / fp8 page builds the tests compile, within the filters")
     ap.add_argument("--workers", type=int, default=None, help="parallel compiles (default: CPUs)")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)

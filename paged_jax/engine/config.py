@@ -6,6 +6,8 @@ import sys
 
 import jax
 
+from paged_jax.worker import attention
+
 # On CPU there are no device memory stats to read: the KV cache gets this many bytes.
 CPU_KV_CACHE_BYTES = 256 * 2**20
 DEFAULT_UTILIZATION = 0.9  # vLLM's gpu_memory_utilization default
@@ -23,6 +25,7 @@ class EngineConfig:
     enable_prefix_caching: bool
     attention_backend: str
     bytes_per_block: int
+    kv_cache_dtype: str = "auto"  # or "int8", "fp8_e4m3": quantized pages with their scales
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -32,7 +35,8 @@ class EngineConfig:
         total = self.num_blocks * self.bytes_per_block
         return (f"paged-jax KV cache: {self.num_blocks} blocks of {self.block_size} tokens, "
                 f"{self.bytes_per_block / 2**10:.1f} KiB per block, {total / 2**20:.1f} MiB; "
-                f"longest context that fits: {self.max_model_len} tokens; backend {self.attention_backend}")
+                f"longest context that fits: {self.max_model_len} tokens; backend {self.attention_backend}"
+                + ("" if self.kv_cache_dtype == "auto" else f"; kv_cache_dtype {self.kv_cache_dtype}"))
 
 
 def _check_positive(**values):
@@ -76,12 +80,14 @@ def kv_budget_bytes(*, gpu_memory_utilization=None, kv_cache_memory_fraction=Non
 def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None, kv_cache_memory_fraction=None,
             activation_bytes=None, max_num_seqs,
             max_num_batched_tokens, max_model_len, num_decode_steps, long_prefill_token_threshold,
-            enable_prefix_caching, attention_backend, kv_dtype, kv_shards=1, sliding_window=None) -> EngineConfig:
+            enable_prefix_caching, attention_backend, kv_dtype, kv_shards=1, sliding_window=None,
+            kv_cache_dtype="auto") -> EngineConfig:
     """`kv_shards`: devices the KV heads are split over (tensor parallelism); the budget is per
     device, so each block costs a device 1 / kv_shards of its bytes. `sliding_window`: the window every
     layer shares, which bounds the blocks a sequence holds (and so what the pool can use), not its length. `activation_bytes(num_tokens,
     max_num_seqs, max_model_len)` measures the activation peak of the largest step (called only on a
-    device with memory stats)."""
+    device with memory stats). `kv_dtype`: the pages' dtype (int8/fp8 for `kv_cache_dtype` "int8" /
+    "fp8_e4m3", whose per-token scales count in each block's bytes)."""
     _check_positive(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                     num_decode_steps=num_decode_steps)
@@ -98,8 +104,8 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
     chosen_len = max_model_len
     max_model_len = max_model_len or min(limit, 4096 if on_cpu else limit)
-    bytes_per_block = (2 * model_config.num_layers * model_config.num_kv_heads * block_size
-                       * model_config.head_dim * jax.numpy.dtype(kv_dtype).itemsize)
+    bytes_per_block = attention.bytes_per_block(model_config.num_layers, model_config.num_kv_heads,
+                                                block_size, model_config.head_dim, kv_dtype)
     step_tokens = max(max_num_batched_tokens, num_decode_steps or 8)
     per_seq = blocks_per_seq(max_model_len, block_size, sliding_window, step_tokens)
     useful = max_num_seqs * per_seq + 1  # more could never be used
@@ -119,7 +125,8 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
                         num_decode_steps=num_decode_steps or 8,
                         long_prefill_token_threshold=long_prefill_token_threshold,
                         enable_prefix_caching=enable_prefix_caching,
-                        attention_backend=attention_backend, bytes_per_block=bytes_per_block)
+                        attention_backend=attention_backend, bytes_per_block=bytes_per_block,
+                        kv_cache_dtype=kv_cache_dtype)
 
 
 def blocks_per_seq(longest: int, block_size: int, sliding_window: int | None = None, step_tokens: int = 0) -> int:

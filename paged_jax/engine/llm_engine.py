@@ -22,7 +22,7 @@ from paged_jax.engine.output_processor import OutputProcessor
 from paged_jax.engine.outputs import RequestOutput
 from paged_jax.engine.sampling_params import RequestOutputKind, SamplingParams
 from paged_jax.worker import model_runner, sharding
-from paged_jax.worker.attention import resolve_backend
+from paged_jax.worker.attention import check_kv_cache_dtype, resolve_backend
 
 
 class LLMEngine:
@@ -30,28 +30,31 @@ class LLMEngine:
                  gpu_memory_utilization=None, kv_cache_memory_fraction=None, max_num_seqs=None,
                  max_num_batched_tokens=None,
                  max_model_len=None, num_decode_steps=8, long_prefill_token_threshold=0,
-                 enable_prefix_caching=True, attention_backend="auto", seed=0, mesh=None, log_stats=True):
-        """`mesh`: a jax Mesh with a "model" axis for tensor parallelism (paged_jax.worker.sharding)."""
+                 enable_prefix_caching=True, attention_backend="auto", seed=0, mesh=None, log_stats=True,
+                 kv_cache_dtype="auto"):
+        """`mesh`: a jax Mesh with a "model" axis for tensor parallelism (paged_jax.worker.sharding).
+        `kv_cache_dtype`: "auto" (the model's dtype), "int8" or "fp8_e4m3" (quantized pages)."""
         if mesh is not None:
             model = sharding.shard_model(model, mesh)
         self.mesh = mesh
         self.model_config = model.config
         self.tokenizer = tokenizer
         self.output_processor = OutputProcessor(tokenizer)
-        kv_dtype = np.dtype(model.config.dtype)
         window = getattr(model.config, "kv_window", None)  # shared by every layer: blocks behind it are freed
         backend = resolve_backend(attention_backend)
+        kv_dtype = check_kv_cache_dtype(kv_cache_dtype, backend, model.config.dtype)
         self.config = config_lib.resolve(
             model.config, block_size=block_size, num_blocks=num_blocks,
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_fraction=kv_cache_memory_fraction,
             activation_bytes=functools.partial(model_runner.activation_bytes, model, backend=backend,
-                                               block_size=block_size),
+                                               block_size=block_size, kv_cache_dtype=kv_cache_dtype),
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             num_decode_steps=num_decode_steps, long_prefill_token_threshold=long_prefill_token_threshold,
             enable_prefix_caching=enable_prefix_caching,
             attention_backend=backend, kv_dtype=kv_dtype,
-            kv_shards=sharding.tensor_parallel_size(mesh), sliding_window=window)
+            kv_shards=sharding.tensor_parallel_size(mesh), sliding_window=window,
+            kv_cache_dtype=kv_cache_dtype)
         if log_stats:
             config_lib.announce(self.config)
         c = self.config

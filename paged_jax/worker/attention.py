@@ -9,6 +9,10 @@ a stacked one inside `lax.scan` would copy the whole layer's KV on every step.
 The layout is chosen when the cache is made: "paged" (above; the reference and Pallas backends)
 or "tpu", the single `[num_layers * num_blocks, block_size, 2 * num_kv_heads, head_dim]` array with
 K/V interleaved that jax's TPU ragged paged attention reads (same layer-major block numbering).
+
+`kv_cache_dtype` "int8" / "fp8_e4m3" (vLLM's names) store "paged" pages quantized, with f32 scales
+`[num_kv_heads, num_layers * num_blocks, block_size]` beside them (pallas_kernels/quantization.py):
+every leaf has the block axis second, so copying a block is a tree_map over the cache.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
+from pallas_kernels import quantization, targets
 from paged_jax.worker import sharding
 
 BACKENDS = ("reference", "pallas", "pallas-interpret", "tpu")
@@ -49,18 +54,30 @@ class KVCache:
     # "tpu" only: [num_layers * num_blocks, block_size, 2 * num_kv_heads, head_dim], K/V interleaved
     kv_pages: jax.Array | None = None
     layout: str = dataclasses.field(default="paged", metadata=dict(static=True))
+    # int8/fp8 "paged" pages only: f32[num_kv_heads, num_layers * num_blocks, block_size] each
+    k_scales: jax.Array | None = None
+    v_scales: jax.Array | None = None
 
     @classmethod
     def create(cls, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=jnp.float32,
                layout="paged"):
-        """`layout`: "paged", or "tpu" for attention_backend "tpu" (see `cache_layout`)."""
+        """`layout`: "paged", or "tpu" for attention_backend "tpu" (see `cache_layout`). `dtype`
+        int8 or float8_e4m3fn (`quantization.storage_dtype`) makes a quantized "paged" cache."""
+        quantized = quantization.is_quantized(dtype)
         if layout == "tpu":
+            if quantized:
+                raise ValueError(f"a {jnp.dtype(dtype)} KV cache has no 'tpu' layout: jax's TPU "
+                                 "ragged_paged_attention takes no per-token scales")
             shape = pk.kv_pages_shape(num_layers * num_blocks, block_size, num_kv_heads, head_dim)
             return cls(None, None, num_layers, jnp.zeros(shape, dtype), layout)
         if layout != "paged":
             raise ValueError(f"KV cache layout must be one of {LAYOUTS}, got {layout!r}")
         shape = (num_kv_heads, num_layers * num_blocks, block_size, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), num_layers)
+        scales = [None, None]
+        if quantized:
+            scales = [jnp.zeros(shape[:3], quantization.SCALE_DTYPE) for _ in range(2)]
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), num_layers, None, layout,
+                   *scales)
 
     @property
     def num_blocks(self) -> int:
@@ -75,12 +92,33 @@ class KVCache:
 
     @property
     def bytes_per_block(self) -> int:
-        """KV bytes one pool block holds across all layers, K and V."""
+        """KV bytes one pool block holds across all layers, K and V (and their scales)."""
         if self.layout == "tpu":
             _, bs, kv_heads, d = self.kv_pages.shape
             return self.num_layers * bs * kv_heads * d * self.kv_pages.dtype.itemsize
         kvh, _, bs, d = self.k_pages.shape
-        return 2 * self.num_layers * kvh * bs * d * self.k_pages.dtype.itemsize
+        return bytes_per_block(self.num_layers, kvh, bs, d, self.k_pages.dtype)
+
+
+def bytes_per_block(num_layers, num_kv_heads, block_size, head_dim, dtype) -> int:
+    """KV bytes of one pool block across all layers, K and V, with their scales if quantized."""
+    return (2 * num_layers * num_kv_heads * block_size
+            * quantization.bytes_per_token_head(head_dim, dtype))
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, backend: str, model_dtype):
+    """-> the page dtype for `kv_cache_dtype` on the resolved attention `backend`, or ValueError
+    naming it and the ones this backend reads."""
+    dtype = quantization.storage_dtype(kv_cache_dtype, model_dtype)
+    readable, where = list(quantization.KV_CACHE_DTYPES), jax.default_backend()
+    if backend == "tpu":  # its kernel scales K/V per tensor, not per (token, KV head)
+        readable = ["auto"]
+    elif backend == "pallas" and targets._arch_number(targets.gpu_arch()) < 89:
+        readable, where = ["auto", "int8"], targets.gpu_arch()  # Triton casts fp8 on sm_89+ only
+    if kv_cache_dtype not in readable:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} cannot be read by attention backend "
+                         f"{backend!r} on {where}; supported here: {readable}")
+    return dtype
 
 
 def cache_layout(backend: str) -> str:
@@ -101,6 +139,9 @@ def copy_blocks(cache: KVCache, src, dst, *, backend: str = "reference") -> KVCa
                               interpret=backend == "pallas-interpret")
     else:
         k, v = pk.copy_blocks_reference(cache.k_pages, cache.v_pages, src, dst)
+    if cache.k_scales is not None:  # a few bytes per block: XLA's scatter is enough
+        ks, vs = pk.copy_blocks_reference(cache.k_scales, cache.v_scales, src, dst)
+        return dataclasses.replace(cache, k_pages=k, v_pages=v, k_scales=ks, v_scales=vs)
     return dataclasses.replace(cache, k_pages=k, v_pages=v)
 
 
@@ -144,6 +185,9 @@ def _attend_local(q, k, v, cache: KVCache, layer, md: AttentionMetadata, *, back
     slots = jnp.where(md.slot_mapping >= 0, md.slot_mapping + offset * cache.block_size, -1)
     tables = md.block_tables + offset
     kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    scales = {}
+    if cache.k_scales is not None:
+        scales = dict(k_scales=cache.k_scales, v_scales=cache.v_scales)
     if backend == "tpu":
         kv_pages = pk.write_kv_tpu(cache.kv_pages, k, v, slots)
         qsl = md.query_start_loc
@@ -152,22 +196,22 @@ def _attend_local(q, k, v, cache: KVCache, layer, md: AttentionMetadata, *, back
         out = pk.ragged_paged_attention_tpu(q, kv_pages, tables, md.seq_lens, qsl, **kwargs)
         return out, dataclasses.replace(cache, kv_pages=kv_pages)
     if backend == "reference":
-        k_pages, v_pages = pk.write_kv_reference(cache.k_pages, cache.v_pages, k, v, slots)
-        if md.decode_only:
-            out = pk.paged_attention_reference(q, k_pages, v_pages, tables, md.seq_lens, **kwargs)
-        else:
-            out = pk.ragged_paged_attention_reference(q, k_pages, v_pages, tables, md.seq_lens,
-                                                      md.query_start_loc, **kwargs)
+        pages = pk.write_kv_reference(cache.k_pages, cache.v_pages, k, v, slots, **scales)
     else:
         kwargs["interpret"] = backend == "pallas-interpret"
-        k_pages, v_pages = pk.write_kv(cache.k_pages, cache.v_pages, k, v, slots,
-                                       interpret=kwargs["interpret"])
-        if md.decode_only:
-            out = pk.paged_attention(q, k_pages, v_pages, tables, md.seq_lens, **kwargs)
-        else:
-            out = pk.ragged_paged_attention(q, k_pages, v_pages, tables, md.seq_lens,
-                                            md.query_start_loc, **kwargs)
-    return out, dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
+        pages = pk.write_kv(cache.k_pages, cache.v_pages, k, v, slots, **scales,
+                            interpret=kwargs["interpret"])
+    k_pages, v_pages = pages[:2]
+    if scales:
+        scales = dict(k_scales=pages[2], v_scales=pages[3])
+    kwargs.update(scales)
+    decode, ragged = ((pk.paged_attention_reference, pk.ragged_paged_attention_reference)
+                      if backend == "reference" else (pk.paged_attention, pk.ragged_paged_attention))
+    if md.decode_only:
+        out = decode(q, k_pages, v_pages, tables, md.seq_lens, **kwargs)
+    else:
+        out = ragged(q, k_pages, v_pages, tables, md.seq_lens, md.query_start_loc, **kwargs)
+    return out, dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages, **scales)
 
 
 def resolve_backend(backend: str = "auto") -> str:

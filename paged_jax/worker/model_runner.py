@@ -26,12 +26,12 @@ class ModelRunner:
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = model.config.vocab_size
         self.graphdef, self.params = nnx.split(model)
-        layout = cache_layout(c.attention_backend)
+        kw = dict(layout=cache_layout(c.attention_backend), kv_cache_dtype=c.kv_cache_dtype)
         if mesh is None:
-            cache = model.init_cache(c.num_blocks, c.block_size, layout=layout)
+            cache = model.init_cache(c.num_blocks, c.block_size, **kw)
         else:  # made in place on the mesh: one device could not hold the whole cache
-            shape = jax.eval_shape(lambda: model.init_cache(c.num_blocks, c.block_size, layout=layout))
-            cache = jax.jit(lambda: model.init_cache(c.num_blocks, c.block_size, layout=layout),
+            shape = jax.eval_shape(lambda: model.init_cache(c.num_blocks, c.block_size, **kw))
+            cache = jax.jit(lambda: model.init_cache(c.num_blocks, c.block_size, **kw),
                             out_shardings=sharding.named(sharding.cache_specs(shape), mesh))()
         pool = block_pool.init(c.num_blocks, c.block_size, c.max_num_seqs, c.max_blocks_per_seq)
         empty = np.zeros((c.max_num_seqs, 0))
@@ -174,7 +174,7 @@ class ModelRunner:
 
 
 def activation_bytes(model, num_tokens: int, max_num_seqs: int, max_model_len: int, *, backend: str,
-                     block_size: int) -> int:
+                     block_size: int, kv_cache_dtype: str = "auto") -> int:
     """The activation peak of the largest prefill step (`num_tokens` tokens over `max_num_seqs` rows,
     tables as wide as `max_model_len`): XLA's temp buffers for the compiled program, read from its
     memory analysis (vLLM measures a profile run; the compiler's buffer assignment is the same
@@ -184,7 +184,8 @@ def activation_bytes(model, num_tokens: int, max_num_seqs: int, max_model_len: i
     graphdef, params = nnx.split(model)
     num_rows = batching.bucket(min(max_num_seqs, num_tokens), max_num_seqs)
     width = -(-max_model_len // block_size)
-    cache = jax.eval_shape(lambda: model.init_cache(2, block_size, layout=cache_layout(backend)))
+    cache = jax.eval_shape(lambda: model.init_cache(2, block_size, layout=cache_layout(backend),
+                                                    kv_cache_dtype=kv_cache_dtype))
     pool = jax.eval_shape(lambda: block_pool.init(2, block_size, num_rows, width))
     empty = jax.ShapeDtypeStruct((num_rows, 0), jnp.int32)
     state = runner.DeviceState(cache=cache, pool=pool, output_counts=empty,

@@ -99,7 +99,9 @@ def cache_specs(cache):
     """PartitionSpecs of a KVCache: pages split over their KV-head axis."""
     if cache.layout == "tpu":  # [pages, block_size, 2 * kv_heads (K/V interleaved per head), head_dim]
         return dataclasses.replace(cache, kv_pages=P(None, None, AXIS, None))
-    return dataclasses.replace(cache, k_pages=P(AXIS), v_pages=P(AXIS))
+    scales = None if cache.k_scales is None else P(AXIS)  # [kv_heads, blocks, block_size]
+    return dataclasses.replace(cache, k_pages=P(AXIS), v_pages=P(AXIS), k_scales=scales,
+                               v_scales=scales)
 
 
 def named(specs, mesh: Mesh):

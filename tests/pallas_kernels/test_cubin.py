@@ -39,10 +39,11 @@ def compiled():
 
 def launch_params(variant, arch):
     """-> (num_warps, num_stages) the wrappers pass for this variant: its tile table's row."""
+    quantized = variant.kv_dtype is not None
     if variant.kernel in ("decode", "decode_split"):
-        tiles = decode_tiles(variant.dtype, variant.head_dim, arch)
+        tiles = decode_tiles(variant.dtype, variant.head_dim, arch, quantized)
     elif variant.kernel == "ragged":
-        tiles = ragged_tiles(variant.dtype, variant.head_dim, arch)
+        tiles = ragged_tiles(variant.dtype, variant.head_dim, arch, quantized)
     else:
         return 4, 1  # write_kv, copy_blocks: fixed (kv_cache.py)
     return tiles["num_warps"], tiles["num_stages"]
@@ -59,7 +60,10 @@ def test_compiles_to_a_cubin_that_fits_without_spills(compiled, variant, arch):
         assert stats.spill_stores == 0 and stats.stack == 0
         assert stats.registers <= cubin.MAX_REGISTERS
         assert stats.shared <= cubin.SHARED_LIMIT[arch]
-        assert stats.loads_128 > 0  # K/V rows (or partials) move 128 bits per load
+        # K/V rows (or partials) move 128 bits per load; not the 64-byte int8/fp8 rows of a
+        # hd64 block copy (Triton's choice)
+        narrow = variant.kernel == "copy_blocks" and variant.kv_dtype and variant.head_dim == 64
+        assert stats.loads_128 > 0 or narrow
 
 
 def test_the_tiles_before_issue_12_spill():
