@@ -87,7 +87,7 @@ class LivenessChannel:
             for _ in range(self.num_processes - 1):
                 conn, _ = self.server.accept()
                 conn.settimeout(self.timeout_s)
-                peer = struct.unpack("!i", conn.recv(4))[0]
+                peer = struct.unpack("!i", conn.recv(4, socket.MSG_WAITALL))[0]
                 self._watch(conn, peer)
         except OSError as e:
             self._peer_lost(f"not every process connected to process 0 within {self.timeout_s} s ({e})")

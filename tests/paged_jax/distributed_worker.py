@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import jax
+from jax.experimental import multihost_utils
 
 from paged_jax import LLM, SamplingParams
 from paged_jax.worker import distributed
@@ -47,6 +48,8 @@ def main(port, process_id, num_processes):
             build_llm(tp)
         except ValueError as e:
             emit(tp=tp, error=str(e))
+    # Both have reported before process 1 dies: the channel would otherwise cut a slower process 0 short.
+    multihost_utils.sync_global_devices("reported")
     if process_id == 1:
         os._exit(3)  # no exit hooks: what a crash looks like to the others
     tokens(llm)  # blocks in a collective process 1 never joins, until the liveness channel stops it
