@@ -210,6 +210,11 @@ def load_orbax(path, *, dtype=None) -> Llama:
     path = Path(path).absolute()
     config = read_config(path, dtype=dtype)
     graphdef, state, shapes = _abstract_model(config)
+    # The whole model on this process's first device, as in one process: without a target sharding
+    # Orbax reuses the saved one, which names the saving job's devices and is refused in another
+    # topology (e.g. a jax.distributed job); shard_model places it on a mesh afterwards.
+    here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), shapes)
     with ocp.StandardCheckpointer() as ckptr:
         restored = ckptr.restore(path / ORBAX_STATE, shapes)
     nnx.replace_by_pure_dict(state, restored)

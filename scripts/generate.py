@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from jax import monitoring  # noqa: E402
 
 from paged_jax import LLM, SamplingParams, compilation_cache  # noqa: E402
 from paged_jax.entrypoints.llm import load_model  # noqa: E402
+from paged_jax.worker import distributed  # noqa: E402
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "embedded"
 PROMPTS = ("def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self):\n",
@@ -61,6 +63,7 @@ def compile_timer():
 def fail(message: str):
     """One line on stderr and exit status 2 (argparse's for bad usage): no traceback for a bad input."""
     print(f"generate.py: error: {message}", file=sys.stderr)
+    distributed.fail_peers()
     sys.exit(2)
 
 
@@ -135,8 +138,11 @@ def main(argv=None):
     ap.add_argument("--compilation-cache-dir", metavar="DIR",
                     help=f"jax's persistent compilation cache (default: {compilation_cache.default_cache_dir()})")
     ap.add_argument("--no-compilation-cache", action="store_true", help="compile everything afresh, cache nothing")
+    distributed.add_cli_flags(ap)
+    ap.add_argument("--print-all-processes", action="store_true", help="every process prints (default: process 0)")
     args = ap.parse_args(argv)
     try:
+        distributed.initialize_from_args(args)  # before anything touches a device
         if not args.no_compilation_cache:  # before anything compiles: jax opens the cache once
             compilation_cache.enable(args.compilation_cache_dir)
         prompts = read_prompts(args)
@@ -145,11 +151,17 @@ def main(argv=None):
         model, tokenizer = load(args)
         inputs = chat_inputs(tokenizer, prompts) if args.chat else prompts
         llm = LLM(model, tokenizer=tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
-                  max_num_seqs=args.max_num_seqs, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
+                  max_num_seqs=args.max_num_seqs, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+                  log_stats=args.process_id == 0 or args.print_all_processes)
     except (OSError, ValueError, ImportError) as e:  # ImportError: --chat without jinja2
-
         fail(str(e))
+    # Every process runs the same generation (each step is one program across all of them); one prints.
+    quiet = args.process_id != 0 and not args.print_all_processes
+    with open(os.devnull, "w") if quiet else contextlib.nullcontext(sys.stdout) as out, contextlib.redirect_stdout(out):
+        report(args, llm, prompts, inputs, params)
 
+
+def report(args, llm, prompts, inputs, params):
     start = time.perf_counter()
     with compile_timer() as compile_s:
         if args.stream:

@@ -33,11 +33,26 @@ PARAM_SPECS = {
 
 
 def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
+    """The first `tensor_parallel_size` devices; across several processes (jax.distributed), the
+    same number from each process, since a process with no device in the mesh could not read a step's
+    output and every process runs the engine."""
     devices = list(devices if devices is not None else jax.devices())
+    num_processes = len({d.process_index for d in devices})
+    where = f"the devices of all {num_processes} processes" if num_processes > 1 else "the devices jax sees"
     if not isinstance(tensor_parallel_size, int) or not 1 <= tensor_parallel_size <= len(devices):
-        raise ValueError(f"tensor_parallel_size must be in [1, {len(devices)}] (the devices jax sees), "
+        raise ValueError(f"tensor_parallel_size must be in [1, {len(devices)}] ({where}), "
                          f"got {tensor_parallel_size!r}")
-    return Mesh(np.array(devices[:tensor_parallel_size]), (AXIS,))
+    if num_processes == 1:
+        return Mesh(np.array(devices[:tensor_parallel_size]), (AXIS,))
+    if tensor_parallel_size % num_processes:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not a multiple of the "
+                         f"{num_processes} processes: each process needs the same share of the mesh")
+    per_process = tensor_parallel_size // num_processes
+    by_process = [[d for d in devices if d.process_index == p] for p in sorted({d.process_index for d in devices})]
+    if any(len(local) < per_process for local in by_process):
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs {per_process} devices in each of "
+                         f"the {num_processes} processes, which have {[len(local) for local in by_process]}")
+    return Mesh(np.array([d for local in by_process for d in local[:per_process]]), (AXIS,))
 
 
 def tensor_parallel_size(mesh: Mesh | None) -> int:
@@ -89,10 +104,19 @@ def shard_model(model, mesh: Mesh):
     model = replicate_kv_heads(model, mesh.shape[AXIS])
     state = nnx.state(model)
     pure = nnx.to_pure_dict(state)
-    placed = jax.tree.map(jax.device_put, pure, param_shardings(model, mesh))
+    placed = jax.tree.map(place, pure, param_shardings(model, mesh))
     nnx.replace_by_pure_dict(state, placed)
     nnx.update(model, state)
     return model
+
+
+def place(x, sharding: NamedSharding):
+    """`x` (a whole array, the same in every process) laid out as `sharding`. A mesh across processes
+    (jax.distributed) holds devices this process cannot send to: each process places only its own
+    devices' shards, cut from its own copy."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def cache_specs(cache):
@@ -110,4 +134,5 @@ def named(specs, mesh: Mesh):
 
 
 def replicate(tree, mesh: Mesh):
-    return jax.device_put(tree, NamedSharding(mesh, P()))
+    whole = NamedSharding(mesh, P())
+    return jax.tree.map(lambda x: place(x, whole), tree)

@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from paged_jax import LLM, SamplingParams  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "models" / "embedded"
@@ -33,15 +33,9 @@ ENGINE = dict(num_blocks=40, max_num_seqs=32)  # 39 blocks of 16 tokens: 64 stre
 PROMPT = "def fibonacci(n):\n"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     def __init__(self, tmp, *args):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(tmp / f"server-{self.port}.log", "w+")
         env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), "PAGED_JAX_API_KEY": ""}

@@ -1,0 +1,173 @@
+"""Several processes, one engine: jax's multi-controller runtime (`jax.distributed.initialize`).
+
+Every process runs the same script, scheduler and engine on the same inputs; jax runs each jitted
+step across the devices of all of them (tensor parallelism over a mesh that spans the processes),
+so every host-side decision is taken identically everywhere and only the collectives inside the
+step cross between processes.
+
+A process that dies in the middle of a step leaves the others blocked inside a collective. jax's
+coordination service notices only after its heartbeat timeout, and then aborts the survivors from
+C++. So each process also holds one TCP connection to process 0 (a liveness channel): a connection
+that closes while its process has not begun a normal exit means that process crashed, and the
+survivor stops at once with one line naming it (exit status `EXIT_PEER_LOST`). jax's heartbeat and
+shutdown timeouts, set to the same limit, stay the backstop for a peer that hangs without dying.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+
+EXIT_PEER_LOST = 70  # sysexits' EX_SOFTWARE: an internal failure, here another process's
+DEFAULT_TIMEOUT_S = 60
+
+
+def parse_coordinator(address: str) -> tuple[str, int]:
+    """"HOST:PORT" -> (host, port); ValueError naming the address."""
+    host, sep, port = str(address).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"coordinator address must be HOST:PORT with a port in [1, 65535], got {address!r}")
+    return host, int(port)
+
+
+def check_process_args(coordinator: str, num_processes: int, process_id: int) -> tuple[str, int]:
+    """Validated before any collective: a bad process id would otherwise wait for peers that never come."""
+    if not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"num_processes must be an integer >= 1, got {num_processes!r}")
+    if not isinstance(process_id, int) or not 0 <= process_id < num_processes:
+        raise ValueError(f"process_id must be in [0, {num_processes}) for num_processes={num_processes}, "
+                         f"got {process_id!r}")
+    return parse_coordinator(coordinator)
+
+
+class LivenessChannel:
+    """Process 0 accepts one connection from every other process; each side watches the other."""
+
+    def __init__(self, host: str, num_processes: int, process_id: int, timeout_s: float):
+        self.num_processes, self.process_id, self.timeout_s = num_processes, process_id, timeout_s
+        self.leaving = False  # set when this process begins a normal exit: closed peers are expected then
+        self.conns: list[socket.socket] = []
+        if process_id == 0:
+            self.server = socket.create_server(("", 0))
+            port = self.server.getsockname()[1]
+        else:
+            port = 0
+        from jax.experimental import multihost_utils
+
+        # One collective, entered by every process, tells them where process 0 listens.
+        port = int(multihost_utils.broadcast_one_to_all(np.int32(port)))
+        if process_id == 0:
+            threading.Thread(target=self._accept, daemon=True, name="paged-jax-liveness").start()
+        else:
+            conn = self._connect(host, port)
+            conn.sendall(struct.pack("!i", process_id))
+            self._watch(conn, 0)
+
+    def _connect(self, host: str, port: int) -> socket.socket:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return socket.create_connection((host, port), timeout=self.timeout_s)
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"process {self.process_id} could not reach process 0's liveness "
+                                       f"channel at {host}:{port} within {self.timeout_s} s: {e}") from e
+                time.sleep(0.1)
+
+    def _accept(self) -> None:
+        self.server.settimeout(self.timeout_s)
+        try:
+            for _ in range(self.num_processes - 1):
+                conn, _ = self.server.accept()
+                conn.settimeout(self.timeout_s)
+                peer = struct.unpack("!i", conn.recv(4, socket.MSG_WAITALL))[0]
+                self._watch(conn, peer)
+        except OSError as e:
+            self._peer_lost(f"not every process connected to process 0 within {self.timeout_s} s ({e})")
+
+    def _watch(self, conn: socket.socket, peer: int) -> None:
+        conn.settimeout(None)
+        self.conns.append(conn)
+        threading.Thread(target=self._read, args=(conn, peer), daemon=True, name=f"paged-jax-peer-{peer}").start()
+
+    def _read(self, conn: socket.socket, peer: int) -> None:
+        try:
+            while conn.recv(1):
+                pass
+        except OSError:
+            pass
+        if not self.leaving:
+            self._peer_lost(f"process {peer} of {self.num_processes} stopped without shutting down "
+                            "(it crashed, was killed or raised)")
+
+    def _peer_lost(self, message: str) -> None:
+        # The main thread may be blocked inside a collective that can never finish: no exception can
+        # reach it, so this process ends here, saying why.
+        print(f"paged-jax: error: process {self.process_id}: {message}; stopping", file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER_LOST)
+
+    def on_exit(self) -> None:
+        """A normal exit keeps the connections open: jax's shutdown barrier, which runs after this,
+        holds every process until all have arrived, so a closed connection after it is expected. An
+        uncaught exception is a failure the peers must hear of now, not at jax's shutdown timeout."""
+        if hasattr(sys, "last_value"):
+            self.close()
+        else:
+            self.leaving = True
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.close()
+
+
+def initialize(coordinator: str, num_processes: int, process_id: int, *,
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> LivenessChannel | None:
+    """`jax.distributed.initialize` with the checks and limits above; CPU devices talk through gloo.
+    Call it before anything touches a jax device. One process (num_processes=1) starts nothing."""
+    host, _ = check_process_args(coordinator, num_processes, process_id)
+    if num_processes == 1:
+        return None
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # the CPU client's; GPUs use NCCL
+    limit = max(int(timeout_s), 1)
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                               process_id=process_id, initialization_timeout=limit,
+                               heartbeat_timeout_seconds=limit, shutdown_timeout_seconds=limit)
+    global _channel
+    _channel = LivenessChannel(host, num_processes, process_id, timeout_s)
+    atexit.register(_channel.on_exit)  # runs before jax's own shutdown hook (registered earlier)
+    return _channel
+
+
+_channel: LivenessChannel | None = None  # this process's, once initialize has run (one per process, as jax's)
+
+
+def fail_peers() -> None:
+    """Before exiting with an error that is no uncaught exception (`sys.exit(2)` after a bad input):
+    the peers stop now, instead of waiting in jax's shutdown barrier until its timeout."""
+    if _channel is not None:
+        _channel.close()
+
+
+def add_cli_flags(ap) -> None:
+    """The multi-process flags scripts share (generate.py, the server)."""
+    ap.add_argument("--coordinator", metavar="HOST:PORT",
+                    help="process 0's address for jax.distributed (all processes pass the same)")
+    ap.add_argument("--num-processes", type=int, default=1, help="processes in the job (default: 1)")
+    ap.add_argument("--process-id", type=int, default=0, help="this process's index, 0 to num-processes - 1")
+    ap.add_argument("--distributed-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                    help=f"how long to wait for peers to start, and for a dead one (default: {DEFAULT_TIMEOUT_S})")
+
+
+def initialize_from_args(args) -> LivenessChannel | None:
+    """`initialize` from `add_cli_flags`' flags; a missing coordinator with several processes is named."""
+    if args.num_processes != 1 and args.coordinator is None:
+        raise ValueError(f"--num-processes {args.num_processes} needs --coordinator HOST:PORT")
+    return initialize(args.coordinator or "127.0.0.1:1", args.num_processes, args.process_id,
+                      timeout_s=args.distributed_timeout)

@@ -1,0 +1,109 @@
+"""Tensor parallelism across processes: jax's multi-controller runtime on 127.0.0.1 (gloo CPU
+collectives), two processes, a free coordinator port and a hard time limit per job, the embedded
+model: scripts/generate.py with one CPU device per process at tensor_parallel_size 2, and
+tests/paged_jax/distributed_worker.py with 2 devices per process at 4. The reference is one process."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from paged_jax.worker import distributed
+from scripts import generate
+from tests.paged_jax import distributed_worker as worker
+from tests.ports import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB_LIMIT_S = 240  # a loaded 2-core machine compiles the 2 x 8 programs of one job in about a minute
+
+
+def run_job(commands: list[list[str]], what: str) -> list[tuple[int, str, str]]:
+    """Start one process per command, together -> [(exit status, stdout, stderr)] in process order."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the worker sets its device count
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for command in commands]
+    deadline = time.monotonic() + JOB_LIMIT_S
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
+            results.append((proc.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{what} did not finish within {JOB_LIMIT_S} s (a hang)")
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    return results
+
+
+def run_worker() -> list[tuple[int, list[dict], str]]:
+    """Both worker processes -> [(exit status, JSON records, stderr)]."""
+    port = str(free_port())
+    commands = [[sys.executable, "-m", "tests.paged_jax.distributed_worker", port, str(i), "2"] for i in range(2)]
+    return [(status, [json.loads(line) for line in out.splitlines() if line.startswith("{")], err)
+            for status, out, err in run_job(commands, "the worker job")]
+
+
+def ours(stdout: str) -> str:
+    """stdout less gloo's own connection lines (written by its C++ code, on every process)."""
+    return "".join(line for line in stdout.splitlines(keepends=True) if not line.startswith("[Gloo] "))
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return worker.completions(worker.build_llm(1))
+
+
+def test_generate_py_on_two_processes_prints_the_single_process_text_once(one_process):
+    port = str(free_port())
+    commands = [[sys.executable, "scripts/generate.py", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                 "--process-id", str(i), "--tensor-parallel-size", "2", "--temperature", "0", "--max-tokens",
+                 str(worker.MAX_TOKENS), "--no-compilation-cache", *(a for p in worker.PROMPTS for a in ("--prompt", p))]
+                for i in range(2)]
+    (status0, out0, err0), (status1, out1, err1) = run_job(commands, "generate.py")
+    assert (status0, status1) == (0, 0), err0[-3000:] + err1[-3000:]
+    want = "".join(generate.header(i, 0, len(worker.PROMPTS), 1) + worker.PROMPTS[i] + o.outputs[0].text + "\n"
+                   for i, o in enumerate(one_process))
+    assert ours(out0).startswith(want + "\nrequests 2, generated tokens 16, "), out0
+    assert ours(out1) == ""  # only process 0 prints
+
+
+def test_two_processes_of_two_devices_give_the_single_process_tokens_at_tp_4_then_one_dies(one_process):
+    want = [o.outputs[0].token_ids for o in one_process]
+    assert [len(t) for t in want] == [worker.MAX_TOKENS] * 2
+    results = run_worker()
+    common = [
+        {"devices": 4, "local_devices": 2},
+        {"tp": 4, "mesh_processes": [0, 0, 1, 1], "tokens": want},
+        {"tp": 6, "error": "tensor_parallel_size must be in [1, 4] (the devices of all 2 processes), got 6"},
+        {"tp": 3, "error": "tensor_parallel_size=3 is not a multiple of the 2 processes: each process "
+                           "needs the same share of the mesh"},
+    ]
+    (status0, records0, err0), (status1, records1, err1) = results
+    assert (status1, records1) == (3, common), err1[-3000:]  # process 1 died on purpose
+    # Process 0 was inside a step's collective: stopped by the liveness channel, not jax's abort.
+    assert (status0, records0) == (distributed.EXIT_PEER_LOST, common), err0[-3000:]
+    assert ("paged-jax: error: process 0: process 1 of 2 stopped without shutting down "
+            "(it crashed, was killed or raised); stopping") in err0
+
+
+def test_bad_process_arguments_are_refused_before_any_collective(capsys):
+    with pytest.raises(ValueError, match=r"process_id must be in \[0, 2\) for num_processes=2, got 2"):
+        distributed.check_process_args("127.0.0.1:1234", 2, 2)
+    with pytest.raises(ValueError, match=r"num_processes must be an integer >= 1, got 0"):
+        distributed.check_process_args("127.0.0.1:1234", 0, 0)
+    with pytest.raises(ValueError, match=r"HOST:PORT .* got '127.0.0.1'"):
+        distributed.check_process_args("127.0.0.1", 2, 0)
+    # generate.py stops with one line, no traceback, and never reaches jax.distributed.
+    for argv, message in ((["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "-1"],
+                           "process_id must be in [0, 2) for num_processes=2, got -1"),
+                          (["--num-processes", "2", "--process-id", "1"], "--num-processes 2 needs --coordinator HOST:PORT")):
+        with pytest.raises(SystemExit) as exit_info:
+            generate.main(argv)
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err == f"generate.py: error: {message}\n"
