@@ -41,13 +41,14 @@ class LLM:
                  max_num_batched_tokens=None,
                  max_model_len=None, enable_prefix_caching=True, dtype=None, attention_backend="auto",
                  seed=0, tensor_parallel_size=1, mesh=None, num_decode_steps=8,
-                 long_prefill_token_threshold=0, log_stats=True):
+                 long_prefill_token_threshold=0, log_stats=True, preemption_mode="recompute", swap_space=4):
         """`model`: a checkpoint directory (Hugging Face safetensors or a converted Orbax one), a GGUF
         file (dequantized at load) or a model object (e.g. `models.Llama`), with an optional
         `tokenizer`. Memory, as vLLM's:
         `gpu_memory_utilization` (default 0.9) is the fraction of the device this engine may use,
         weights, activation peak and KV together; `kv_cache_memory_fraction`, if given, wins and
-        gives the KV that fraction of what the weights leave (see engine.config.kv_budget_bytes)."""
+        gives the KV that fraction of what the weights leave (see engine.config.kv_budget_bytes).
+        `preemption_mode` "recompute" | "swap", `swap_space` (GiB of host memory): see LLMEngine."""
         if mesh is None and tensor_parallel_size != 1:
             mesh = make_mesh(tensor_parallel_size)
         elif mesh is not None and tensor_parallel_size not in (1, mesh.shape.get(AXIS)):
@@ -65,7 +66,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             num_decode_steps=num_decode_steps, long_prefill_token_threshold=long_prefill_token_threshold,
             enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend, seed=seed,
-            mesh=mesh, log_stats=log_stats)
+            mesh=mesh, log_stats=log_stats, preemption_mode=preemption_mode, swap_space=swap_space)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
