@@ -119,12 +119,12 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
 
 
 def make_llm(model, *, block_size: int, kv_tokens: int, max_num_seqs: int, max_model_len: int,
-             max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True):
+             max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True, **engine_args):
     """An engine whose KV cache holds `kv_tokens` token slots (plus the null block), whatever the
-    block size: the same memory for paged and contiguous runs."""
+    block size: the same memory for paged and contiguous runs. `engine_args` go to LLM."""
     return LLM(model, block_size=block_size, num_blocks=kv_tokens // block_size + 1, max_num_seqs=max_num_seqs,
                max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs), max_model_len=max_model_len,
-               enable_prefix_caching=enable_prefix_caching, log_stats=False)
+               enable_prefix_caching=enable_prefix_caching, log_stats=False, **engine_args)
 
 
 def run_engine(llm, prompts, params, *, read_pool: bool = False) -> dict:

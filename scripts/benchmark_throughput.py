@@ -8,6 +8,7 @@ all submitted at once with ignore_eos, greedy, on one random Llama (58M paramete
                                                                 # the same requests, rising engine capacity
     python scripts/benchmark_throughput.py --section window     # one KV budget, with and without a window
     python scripts/benchmark_throughput.py --section kv-dtype   # one KV budget: auto / int8 / fp8 pages
+    python scripts/benchmark_throughput.py --section preemption # memory-starved: recompute vs swap
 
 Sections: `engines`: the paged engine (block_size 16); the same engine with block_size = max_model_len
 (a contiguous reservation of the longest answer per request); a plain JAX greedy loop over a dense KV
@@ -18,7 +19,9 @@ output tokens) on engines of rising max_num_seqs x max_model_len up to GPU defau
 then 128 requests at the largest: the cost of a step must follow the work, not the capacity.
 `window`: the same weights as Llama (every layer global) and as Mistral with a sliding window (blocks
 behind it go back to the pool), one KV budget, long generations. `kv-dtype`: real weights, one KV
-budget, the pages in the model's dtype, int8 and fp8 (scripts/kv_dtype_section.py). Run
+budget, the pages in the model's dtype, int8 and fp8 (scripts/kv_dtype_section.py). `preemption`:
+fixed-length requests that overflow one KV budget, preempted by recompute or by swapping
+(scripts/bench_preemption.py). Run
 time excludes jit compile time (each engine first runs other prompts of the same lengths).
 """
 from __future__ import annotations
@@ -35,7 +38,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 import numpy as np  # noqa: E402
 
 from paged_jax import SamplingParams  # noqa: E402
-from scripts import baselines, benchlib, kv_dtype_section  # noqa: E402
+from scripts import baselines, bench_preemption, benchlib, kv_dtype_section  # noqa: E402
 
 COMMON = [("name", "method", "s")]
 COLUMNS = {
@@ -55,6 +58,10 @@ COLUMNS = {
                         ("mean_running", "mean running", ".1f"), ("num_preemptions", "preempted", "d"),
                         ("output_tok_s", "output tok/s", ".1f"), ("ratio", "x baseline", ".2f"),
                         ("run_s", "run s", ".1f")],
+    "preemption": COMMON + [("num_preemptions", "preempted", "d"), ("swap_fallbacks", "swap full", "d"),
+                            ("recomputed", "recomputed tokens", "d"), ("swap_mib", "swapped MiB", ".1f"),
+                            ("output_tok_s", "output tok/s", ".1f"), ("ratio", "x recompute", ".2f"),
+                            ("run_s", "run s", ".1f"), ("same_tokens", "same tokens", ".0%")],
     "capacity": COMMON + [("output_tok_s", "output tok/s", ".1f"), ("ratio", "x baseline", ".2f"),
                           ("run_s", "run s", ".2f"), ("compile_s", "compile s", ".1f"),
                           ("same_tokens", "same tokens", ".0%")],
@@ -118,7 +125,9 @@ def engine_row(name, llm, prompts, output_lens, read_pool=False):
     return dict(row, name=name, answers=[o.outputs[0].token_ids for o in outputs],
                 ttft_mean_s=float(np.mean(ttft)), ttft_p50_s=float(np.median(ttft)),
                 num_preemptions=stats["num_preemptions"], hit_rate=stats["prefix_cache_hit_rate"],
-                peak_blocks=stats["peak_blocks_used"])
+                peak_blocks=stats["peak_blocks_used"], recomputed=stats["num_recomputed_tokens"],
+                swap_fallbacks=stats["num_swap_fallbacks"],
+                swap_mib=(stats["swap_bytes_out"] + stats["swap_bytes_in"]) / 2**20)
 
 
 def timed_row(name, generate, *gen_args):
@@ -157,6 +166,8 @@ def run_section(args, model):
         baseline = 1
     elif args.section == "window":
         (rows, prompts, outs), baseline = window_rows(args, model), 0
+    elif args.section == "preemption":
+        (rows, prompts, outs), baseline = bench_preemption.preemption_rows(args, model, engine_row), 0
     elif args.section == "capacity":
         (rows, prompts), outs, baseline = capacity_rows(args, model), [64] * 8, 0
     else:
@@ -214,7 +225,7 @@ def main(argv=None):
     print(f"{args.section}: {info['num_requests']} requests, mean input {info['mean_input_len']:.0f} / output "
           f"{info['mean_output_len']:.0f} tokens, max_model_len {args.max_model_len}; random Llama "
           f"{benchlib.num_params(model) / 1e6:.0f}M params, {args.dtype}"
-          + (f"; KV budget {budget / 2**20:.1f} MiB" if args.section == "memory" else "")
+          + (f"; KV budget {budget / 2**20:.1f} MiB" if args.section in ("memory", "preemption") else "")
           + f"; ratios against {rows[baseline]['name']}")
     benchlib.print_table(rows, COLUMNS[args.section])
     if args.json:

@@ -15,6 +15,7 @@ import heapq
 
 import numpy as np
 
+from paged_jax.core.host_pool import HostBlockPool
 from paged_jax.core.model_output import ModelOutput, PoolDelta
 from paged_jax.core.pool_mirror import PoolMirror
 from paged_jax.core.prefix_cache import PrefixCache, extend_block_hashes
@@ -28,6 +29,10 @@ class Plan:
     forks: list[tuple[Sequence, Sequence]] = dataclasses.field(default_factory=list)  # (child, parent)
     preempted: list[Sequence] = dataclasses.field(default_factory=list)
     free_slots: list[int] = dataclasses.field(default_factory=list)
+    # Preemption by swapping: device -> host copies (device block, host block), each block once, and
+    # the resuming slots' host blocks (slot, host block ids in table order, tokens they hold).
+    swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    swap_in: list[tuple[int, list[int], int]] = dataclasses.field(default_factory=list)
     marks: list[int] = dataclasses.field(default_factory=list)
     skips: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (slot, entries out of the window)
     free_blocks: int = 0  # the most blocks any freed slot held (the device's table width for the frees)
@@ -42,9 +47,11 @@ class Plan:
 
 class Scheduler:
     def __init__(self, *, max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
-                 max_blocks_per_seq, long_prefill_token_threshold=0, prefix_cache=None, sliding_window=None):
+                 max_blocks_per_seq, long_prefill_token_threshold=0, prefix_cache=None, sliding_window=None,
+                 host_pool: HostBlockPool | None = None):
         """`sliding_window`: every layer's attention window (tokens), or None; with one, blocks that
-        fall out of a sequence's window go back to the pool."""
+        fall out of a sequence's window go back to the pool. `host_pool`: preempt by swapping the
+        victim's blocks to it (vLLM V0's preemption_mode="swap"); None: by recompute."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = block_size
@@ -58,7 +65,11 @@ class Scheduler:
         self.pending_free: list[int] = []  # slots of finished sequences, freed on the next call
         self.pending_free_blocks = 0
         self.pending_marks: list[int] = []  # blocks newly entered in the prefix cache
+        self.host_pool = host_pool
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0  # of those, by swapping
+        self.num_swap_fallbacks = 0  # swap preemptions the full host pool turned into recomputes
+        self.num_recomputed_tokens = 0  # tokens computed again after a recompute preemption
         self.pool = PoolMirror(num_blocks, block_size, max_num_seqs, max_blocks_per_seq)
 
     @property
@@ -84,6 +95,9 @@ class Scheduler:
                 self.running.remove(s)
             if s in self.waiting:
                 self.waiting.remove(s)
+            if s.host_blocks:
+                self.host_pool.free(s.host_blocks)
+                s.host_blocks = []
             self._release_slot(s)
         seq.children = []
 
@@ -127,13 +141,16 @@ class Scheduler:
             need += self._fork_blocks(seq, n)
             while need > free and self.running:
                 victim = self.running.pop()
+                victim.host_blocks = self._swap_out(victim, plan)
                 for s in [victim, *victim.children]:
                     if s.slot >= 0:
                         freed = self.pool.blocks_freed_by(s.slot)
                         self._release_slot(s)
                         plan.free_slots.append(self.pending_free.pop())
                         free += freed
-                victim.status, victim.num_computed, victim.num_cached_blocks = Status.WAITING, 0, 0
+                if not victim.host_blocks:  # recompute: its KV is dropped
+                    victim.num_lost, victim.num_computed = victim.num_computed, 0
+                victim.status, victim.num_cached_blocks = Status.WAITING, 0
                 plan.preempted.append(victim)
                 self.num_preemptions += 1
                 if victim is seq:
@@ -152,8 +169,9 @@ class Scheduler:
             seq = self.waiting[0]
             if len(self.free_slot_ids) < 1 + len(seq.children):
                 break
+            swapped = bool(seq.host_blocks)  # resumes with the tokens its host blocks hold
             hits = self._prefix_hits(seq) if seq.num_computed == 0 else []
-            cached = len(hits) * self.block_size
+            cached = seq.num_computed if swapped else len(hits) * self.block_size
             n = self._chunk(seq.num_tokens - cached, budget)
             revived = sum(int(ref[b] + hit_refs.get(b, 0) == 0) for b, _ in hits)  # taken back from the free queue
             need = self._blocks(cached + n) - len(hits) + revived
@@ -169,7 +187,14 @@ class Scheduler:
             for child in seq.children:
                 child.slot = heapq.heappop(self.free_slot_ids)
             seq.status, seq.num_computed, seq.prefill_end = Status.RUNNING, cached, seq.num_tokens
-            self.prefix_cache.record(seq.num_tokens, cached)
+            if swapped:
+                plan.swap_in.append((seq.slot, seq.host_blocks, cached))
+                self.host_pool.free(seq.host_blocks)  # read by the runner before any later swap-out
+                seq.host_blocks = []
+            else:
+                self.prefix_cache.record(seq.num_tokens, cached)
+                self.num_recomputed_tokens += max(0, seq.num_lost - cached)
+                seq.num_lost = 0
             if seq.request.num_cached_tokens is None:
                 seq.request.num_cached_tokens = cached
             plan.admitted[seq.slot] = ([b for b, _ in hits], [v for _, v in hits])
@@ -184,6 +209,18 @@ class Scheduler:
             n == 1 and seq.num_tokens - seq.num_computed == 1 for seq, n in plan.scheduled)
         plan.free_blocks, self.pending_free_blocks = self.pending_free_blocks, 0
         return plan
+
+    def _swap_out(self, victim: Sequence, plan: Plan) -> list[int]:
+        """The victim's host blocks when it is preempted by swapping (its device -> host copies
+        join the plan), or [] to recompute it: in recompute mode, when it has unforked children
+        or a sliding window unmapped some of its blocks, and when the host pool is full (counted)."""
+        if self.host_pool is None or victim.children or self.sliding_window is not None or victim.num_computed == 0:
+            return []
+        blocks = self.pool.slot_blocks(victim.slot)
+        host = self.host_pool.swap_out(blocks, self.pool.version[blocks], plan.swap_out)
+        self.num_swap_preemptions += host is not None
+        self.num_swap_fallbacks += host is None
+        return host or []
 
     def take_pool_ops(self) -> Plan:
         """Going idle: a plan of just the pending frees and cache marks."""

@@ -36,6 +36,8 @@ class Sequence:
     prefill_end: int = 0  # tokens known at the last admission: computing them is prefill
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
     num_cached_blocks: int = 0  # leading full blocks already in the prefix cache
+    host_blocks: list[int] = dataclasses.field(default_factory=list)  # swapped out: the K/V of its num_computed tokens
+    num_lost: int = 0  # computed tokens a recompute preemption dropped (until it is admitted again)
     children: list[Sequence] = dataclasses.field(default_factory=list)  # forked once the prompt is in
     token_logprobs: list[float] = dataclasses.field(default_factory=list)  # of each output token
     logprobs: list[dict] | None = None  # top-N entries per output token, when asked for

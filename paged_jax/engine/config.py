@@ -11,6 +11,7 @@ from paged_jax.worker import attention
 # On CPU there are no device memory stats to read: the KV cache gets this many bytes.
 CPU_KV_CACHE_BYTES = 256 * 2**20
 DEFAULT_UTILIZATION = 0.9  # vLLM's gpu_memory_utilization default
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +27,8 @@ class EngineConfig:
     attention_backend: str
     bytes_per_block: int
     kv_cache_dtype: str = "auto"  # or "int8", "fp8_e4m3": quantized pages with their scales
+    preemption_mode: str = "recompute"  # or "swap": a victim's blocks go to host memory
+    swap_space: float = 0.0  # GiB of host memory for swapped blocks (preemption_mode "swap")
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -81,7 +84,7 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
             activation_bytes=None, max_num_seqs,
             max_num_batched_tokens, max_model_len, num_decode_steps, long_prefill_token_threshold,
             enable_prefix_caching, attention_backend, kv_dtype, kv_shards=1, sliding_window=None,
-            kv_cache_dtype="auto") -> EngineConfig:
+            kv_cache_dtype="auto", preemption_mode="recompute", swap_space=4) -> EngineConfig:
     """`kv_shards`: devices the KV heads are split over (tensor parallelism); the budget is per
     device, so each block costs a device 1 / kv_shards of its bytes. `sliding_window`: the window every
     layer shares, which bounds the blocks a sequence holds (and so what the pool can use), not its length. `activation_bytes(num_tokens,
@@ -91,6 +94,12 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
     _check_positive(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                     num_decode_steps=num_decode_steps)
+    if preemption_mode not in PREEMPTION_MODES:
+        raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
+    if isinstance(swap_space, bool) or not isinstance(swap_space, (int, float)) or not swap_space >= 0:
+        raise ValueError(f"swap_space must be a number of GiB >= 0, got {swap_space!r}")
+    if preemption_mode == "swap" and kv_shards > 1:
+        raise ValueError(f"preemption_mode='swap' with tensor parallelism ({kv_shards} shards) is not built")
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     on_cpu = jax.default_backend() == "cpu"
@@ -126,7 +135,8 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
                         long_prefill_token_threshold=long_prefill_token_threshold,
                         enable_prefix_caching=enable_prefix_caching,
                         attention_backend=attention_backend, bytes_per_block=bytes_per_block,
-                        kv_cache_dtype=kv_cache_dtype)
+                        kv_cache_dtype=kv_cache_dtype, preemption_mode=preemption_mode,
+                        swap_space=float(swap_space))
 
 
 def blocks_per_seq(longest: int, block_size: int, sliding_window: int | None = None, step_tokens: int = 0) -> int:

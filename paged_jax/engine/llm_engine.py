@@ -14,6 +14,7 @@ import time
 import jax
 import numpy as np
 
+from paged_jax.core.host_pool import HostBlockPool
 from paged_jax.core.prefix_cache import PrefixCache
 from paged_jax.core.scheduler import Scheduler
 from paged_jax.core.sequence import Request, Sequence, Status
@@ -31,9 +32,12 @@ class LLMEngine:
                  max_num_batched_tokens=None,
                  max_model_len=None, num_decode_steps=8, long_prefill_token_threshold=0,
                  enable_prefix_caching=True, attention_backend="auto", seed=0, mesh=None, log_stats=True,
-                 kv_cache_dtype="auto"):
+                 kv_cache_dtype="auto", preemption_mode="recompute", swap_space=4):
         """`mesh`: a jax Mesh with a "model" axis for tensor parallelism (paged_jax.worker.sharding).
-        `kv_cache_dtype`: "auto" (the model's dtype), "int8" or "fp8_e4m3" (quantized pages)."""
+        `kv_cache_dtype`: "auto" (the model's dtype), "int8" or "fp8_e4m3" (quantized pages).
+        `preemption_mode`: "recompute" (vLLM V1) drops a preempted request's blocks; "swap" (vLLM V0,
+        the paper's section 4.5) copies them to `swap_space` GiB of host memory and back when it
+        resumes, recomputing only when the host pool is full."""
         if mesh is not None:
             model = sharding.shard_model(model, mesh)
         self.mesh = mesh
@@ -54,7 +58,7 @@ class LLMEngine:
             enable_prefix_caching=enable_prefix_caching,
             attention_backend=backend, kv_dtype=kv_dtype,
             kv_shards=sharding.tensor_parallel_size(mesh), sliding_window=window,
-            kv_cache_dtype=kv_cache_dtype)
+            kv_cache_dtype=kv_cache_dtype, preemption_mode=preemption_mode, swap_space=swap_space)
         if log_stats:
             config_lib.announce(self.config)
         c = self.config
@@ -67,7 +71,8 @@ class LLMEngine:
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             block_size=c.block_size, num_blocks=c.num_blocks, max_blocks_per_seq=c.max_blocks_per_seq,
             long_prefill_token_threshold=c.long_prefill_token_threshold, prefix_cache=self.prefix_cache,
-            sliding_window=window)
+            sliding_window=window,
+            host_pool=HostBlockPool(self.model_runner.num_host_blocks) if c.preemption_mode == "swap" else None)
         self.requests: dict[str, Request] = {}
         self._finished_outside_step: set[str] = set()  # rejected or aborted: reported by the next step
         self.seed = seed
@@ -264,7 +269,8 @@ class LLMEngine:
             jax.monitoring.unregister_event_duration_listener(listen)
         self.reset_prefix_cache()
         self.prefix_cache.queries = self.prefix_cache.hits = 0
-        self.scheduler.num_preemptions = 0
+        self.scheduler.num_preemptions = self.scheduler.num_swap_preemptions = 0
+        self.scheduler.num_swap_fallbacks = self.scheduler.num_recomputed_tokens = 0
         self.model_runner.reset_counters()
         self._reset_counters()
         return {"programs": events.count("/jax/core/compile/backend_compile_duration"),
@@ -299,6 +305,10 @@ class LLMEngine:
             prefix_cache_queries=self.prefix_cache.queries, prefix_cache_hits=self.prefix_cache.hits,
             prefix_cache_hit_rate=self.prefix_cache.hits / max(self.prefix_cache.queries, 1),
             num_preemptions=self.scheduler.num_preemptions,
+            num_swap_preemptions=self.scheduler.num_swap_preemptions,
+            num_swap_fallbacks=self.scheduler.num_swap_fallbacks,
+            num_recomputed_tokens=self.scheduler.num_recomputed_tokens,
+            host_kv_usage=self.scheduler.host_pool.usage() if self.scheduler.host_pool else 0.0,
             prompt_tokens=k["prompt_tokens"], generation_tokens=k["generation_tokens"],
             num_requests_running=running, num_requests_waiting=len(self.scheduler.waiting),
             prefill_tokens=k["prefill_tokens"], max_num_running=k["max_num_running"],

@@ -66,6 +66,10 @@ class PrefillBatch:
     prompt_lp_targets: np.ndarray  # i32[P]
     prompt_lp_rows: np.ndarray  # i32[P]; -1 pad
     prompt_lp_positions: np.ndarray  # i32[P]
+    # Rows resumed after a swap: swapped-in block j goes to table entry (swap_rows[j], swap_cols[j])
+    # of the batch (-1 pad); S = 0 when none is.
+    swap_rows: np.ndarray  # i32[S]
+    swap_cols: np.ndarray  # i32[S]
 
 
 @jax.tree_util.register_dataclass
@@ -90,6 +94,13 @@ def pool_ops(plan: Plan, mark_cap: int) -> PoolOps:
     for i, (slot, n) in enumerate(plan.skips):
         skip_slots[i], num_skipped[i] = slot, n
     return PoolOps(mark_ids=marks, free_slots=free, skip_slots=skip_slots, num_skipped=num_skipped)
+
+
+def padded(ids, fill=0) -> np.ndarray:
+    """i32 ids padded with `fill` to a power of two (at least 8): block copies compile few programs."""
+    out = np.full(bucket(len(ids), 1 << 30, 8), fill, np.int32)
+    out[: len(ids)] = ids
+    return out
 
 
 def prefill_rows(plan: Plan) -> list[Sequence]:
@@ -127,6 +138,11 @@ def prefill_batch(plan: Plan, *, block_size: int, max_num_seqs: int, max_blocks_
         b["query_start_loc"][i + 1] = at
     b["query_start_loc"][len(plan.scheduled) + 1:] = at
     b.update(_prompt_logprob_entries(plan, size))
+    rows, cols = [], []
+    for slot, ids, _ in plan.swap_in:
+        rows += [index[slot]] * len(ids)
+        cols += range(len(ids))
+    b["swap_rows"], b["swap_cols"] = padded(rows, -1) if rows else np.zeros(0, i32), padded(cols) if rows else np.zeros(0, i32)
     for slot, (hits, versions) in plan.admitted.items():
         b["hits"][index[slot], : len(hits)] = hits
         b["hit_versions"][index[slot], : len(hits)] = versions

@@ -13,7 +13,7 @@ from paged_jax.core import block_pool
 from paged_jax.core.model_output import ModelOutput
 from paged_jax.core.scheduler import Plan
 from paged_jax.engine.sampling_params import SAMPLING_EPS
-from paged_jax.worker import batching, runner, sharding
+from paged_jax.worker import batching, runner, sharding, swap
 from paged_jax.worker.attention import cache_layout
 
 
@@ -38,13 +38,18 @@ class ModelRunner:
         self.state = runner.DeviceState(cache=cache, pool=self._replicate(pool),
                                         output_counts=self._replicate(empty.astype(np.int32)),
                                         prompt_mask=self._replicate(empty.astype(bool)))
+        # Preemption by swapping: swap_space GiB of host blocks, each as large as a device block.
+        self.num_host_blocks = (int(c.swap_space * 2**30) // swap.HostKVCache.block_bytes(cache)
+                                if c.preemption_mode == "swap" else 0)
+        self.host_cache = swap.HostKVCache(cache, self.num_host_blocks) if self.num_host_blocks else None
         self.reset_counters()
 
     def reset_counters(self) -> None:
         # From the jitted call to its fetched output (the device's share of a step, once compiled),
         # and the bytes that crossed between host and device each way.
         self.counters = dict(device_seconds=0.0, bytes_to_device=0, bytes_from_device=0,
-                             decode_bytes_to_device=0, decode_bytes_from_device=0)
+                             decode_bytes_to_device=0, decode_bytes_from_device=0,
+                             num_blocks_swapped_out=0, num_blocks_swapped_in=0, swap_bytes_out=0, swap_bytes_in=0)
 
     def _replicate(self, x):
         """The pool and sampling state: one copy on every device of the mesh."""
@@ -65,6 +70,9 @@ class ModelRunner:
             self.state, out = runner.decode_steps(self.graphdef, self.params, self.state, batch, sp,
                                                   flags=self._flags(seqs), num_steps=c.num_decode_steps, width=width)
             return self._fetch("decode_", out, start, batch, sp)
+        copying = None
+        if plan.swap_out:  # gathered before this step's allocations can reuse the freed blocks
+            copying = self.host_cache.start_copy_out(self.state.cache, batching.padded([d for d, _ in plan.swap_out]))
         seqs = batching.prefill_rows(plan)
         self._reset_penalty_rows([s for s, _ in plan.scheduled if s.slot in plan.admitted]
                                  + [child for child, _ in plan.forks])
@@ -73,7 +81,10 @@ class ModelRunner:
         sp = self._row_params(seqs, batch.slots.shape[0])
         start = time.perf_counter()
         self.state, out, ok = runner.prefill_step(self.graphdef, self.params, self.state, batch, sp,
-                                                  flags=self._prefill_flags(seqs, plan, batch))
+                                                  self._swap_in(plan.swap_in, batch), flags=self._prefill_flags(seqs, plan, batch))
+        if copying is not None:  # its transfer ran while the step was dispatched; store it now
+            self.counters["swap_bytes_out"] += self.host_cache.finish_copy_out(copying, [h for _, h in plan.swap_out])
+            self.counters["num_blocks_swapped_out"] += len(plan.swap_out)
         out = self._fetch("", (out, ok), start, batch, sp)
         if not out[1]:
             raise RuntimeError("internal error: the device pool refused an operation the scheduler planned")
@@ -122,6 +133,20 @@ class ModelRunner:
         if not ok:
             raise RuntimeError("internal error: the device pool refused a fork the host planned")
         return delta
+    def _swap_in(self, resumed, batch: batching.PrefillBatch):
+        """The host blocks of the rows resuming after a swap ((slot, host block ids, tokens) each), in
+        the order of batch.swap_rows: one host read for all of them, scattered by the prefill step
+        -> the blocks (numpy), or None when no row resumes so."""
+        if not resumed:
+            return None
+        host_ids = [h for _, ids, _ in resumed for h in ids]
+        blocks = self.host_cache.read(np.pad(host_ids, (0, batch.swap_rows.shape[0] - len(host_ids))))
+        sent = sum(x.nbytes for x in jax.tree.leaves(blocks))
+        k = self.counters
+        k["swap_bytes_in"] += sent * len(host_ids) // batch.swap_rows.shape[0]  # padding not counted
+        k["num_blocks_swapped_in"] += len(host_ids)
+        k["bytes_to_device"] += sent
+        return blocks
 
     def reset_prefix_cache(self) -> None:
         self.state = runner.uncache_all(self.state)
@@ -199,7 +224,8 @@ def activation_bytes(model, num_tokens: int, max_num_seqs: int, max_model_len: i
         query_start_loc=i32(num_rows + 1), attn_seq_lens=i32(num_rows), new_lens=i32(num_rows),
         hits=i32(num_rows, width), hit_versions=i32(num_rows, width), num_hits=i32(num_rows),
         logits_rows=i32(num_rows), fork_parent=i32(num_rows), num_output=i32(num_rows), total_len=i32(num_rows),
-        prompt_lp_tokens=i32(0), prompt_lp_targets=i32(0), prompt_lp_rows=i32(0), prompt_lp_positions=i32(0))
+        prompt_lp_tokens=i32(0), prompt_lp_targets=i32(0), prompt_lp_rows=i32(0), prompt_lp_positions=i32(0),
+        swap_rows=i32(0), swap_cols=i32(0))
     sp = batching.row_params([], num_rows, (), max_model_len)
     compiled = runner.prefill_step.lower(graphdef, params, state, batch, sp, flags=runner.Flags(backend)).compile()
     return int(compiled.memory_analysis().temp_size_in_bytes)

@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 
 from paged_jax.core import block_pool as bp
 from paged_jax.core.model_output import ModelOutput, PoolDelta, PromptLogprobs
-from paged_jax.worker import sampler
+from paged_jax.worker import sampler, swap
 from paged_jax.worker.attention import AttentionMetadata, KVCache, copy_blocks
 from paged_jax.worker.batching import DecodeBatch, PoolOps, PrefillBatch
 
@@ -99,15 +99,23 @@ def _fork_rows(view: bp.BlockPool, fork_parent):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "flags"), donate_argnames=("state",))
 def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: sampler.SlotParams,
-                 *, flags: Flags):
-    """One ragged forward over the batch's rows -> (state, ModelOutput with k = 1, ok bool[])."""
+                 swapped=None, *, flags: Flags):
+    """One ragged forward over the batch's rows -> (state, ModelOutput with k = 1, ok bool[]).
+    `swapped`: the blocks of rows resumed after a swap (`swap.gather_blocks`' layout), which fill
+    the first blocks they are given here, after the prefix hits took theirs out of the free queue;
+    None when no row resumes so."""
     num_rows, width = batch.hits.shape
     view = bp.rows(state.pool, batch.slots, width)
     admitted = batch.num_hits > 0
     view, shared = bp.share(view, jnp.where(admitted, jnp.arange(num_rows), -1), batch.hits,
                             batch.num_hits, batch.hit_versions)
     view, grown = bp.allocate(view, batch.new_lens,
-                              max_new_blocks=batch.tokens.shape[0] // view.block_size + num_rows)
+                              max_new_blocks=batch.tokens.shape[0] // view.block_size + num_rows
+                              + batch.swap_rows.shape[0])
+    cache = state.cache
+    if swapped is not None:
+        rows, cols = jnp.maximum(batch.swap_rows, 0), jnp.maximum(batch.swap_cols, 0)
+        cache = swap.scatter_blocks(cache, jnp.where(batch.swap_rows >= 0, view.block_tables[rows, cols], -1), swapped)
     md = AttentionMetadata(slot_mapping=bp.slot_mapping(view, batch.token_row, batch.positions),
                            block_tables=view.block_tables, seq_lens=batch.attn_seq_lens,
                            query_start_loc=batch.query_start_loc)
@@ -115,7 +123,7 @@ def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: 
     wanted = jnp.maximum(batch.logits_rows, 0)
     if flags.num_prompt_logprobs is not None:  # prompt tokens' logits too, only in steps that ask
         wanted = jnp.concatenate([wanted, jnp.maximum(batch.prompt_lp_tokens, 0)])
-    logits, cache = model(batch.tokens, batch.positions, state.cache, md, wanted,
+    logits, cache = model(batch.tokens, batch.positions, cache, md, wanted,
                           backend=flags.backend, mesh=flags.mesh)
     prompt = None
     if flags.num_prompt_logprobs is not None:

@@ -49,3 +49,16 @@ def test_the_activation_peak_is_measured_from_the_compiled_step():
     # At least the step's hidden states in f32 for every token, and more for more tokens.
     hidden = model.config.hidden_size * 4
     assert 64 * hidden < small < large and large >= 512 * hidden
+
+
+def test_bad_preemption_settings_name_the_value():
+    model = random_model(tiny_config())
+    with pytest.raises(ValueError, match=r"preemption_mode must be one of \('recompute', 'swap'\), got 'offload'"):
+        LLM(model, preemption_mode="offload", log_stats=False)
+    with pytest.raises(ValueError, match="swap_space must be a number of GiB >= 0, got -1"):
+        LLM(model, preemption_mode="swap", swap_space=-1, log_stats=False)
+    with pytest.raises(ValueError, match="swap_space must be a number of GiB >= 0, got '4'"):
+        LLM(model, swap_space="4", log_stats=False)
+    # swap_space 0 is allowed: every preemption finds the host pool full and recomputes.
+    llm = LLM(model, num_blocks=8, preemption_mode="swap", swap_space=0, log_stats=False)
+    assert llm.engine.model_runner.num_host_blocks == 0 and llm.engine.scheduler.host_pool.num_blocks == 0

@@ -64,6 +64,37 @@ def test_greedy_matches_hugging_face(hf_llama, name, kwargs):
     assert_pool_drained(llm)
 
 
+BLOCK_BYTES = 2 * 2 * 2 * 8 * 16 * 4  # K and V, tiny_config's 2 layers and 2 KV heads of 16, blocks of 8, f32
+
+
+@pytest.mark.parametrize("host_blocks, swaps, fallbacks, recomputed", [
+    (None, 6, 0, 0),  # swap_space 1 GiB: every preemption swaps
+    # 5 host blocks: one victim finds the host pool full and is recomputed; of the 48 tokens it had
+    # computed, 40 are prefix-cache hits (its own blocks, not yet handed out again), 8 are computed again.
+    (5, 5, 1, 8),
+])
+def test_swap_preemption_matches_hugging_face(hf_llama, host_blocks, swaps, fallbacks, recomputed):
+    """Seven requests (three sharing a prefix) on 11 usable blocks of 8 tokens: preempted requests
+    go to host memory and come back into fresh blocks, token for token what HF generates."""
+    path, prompts, expected = hf_llama
+    space = 1 if host_blocks is None else host_blocks * BLOCK_BYTES / 2**30
+    llm = LLM(str(path), block_size=8, num_blocks=12, max_num_seqs=7, log_stats=False,
+              preemption_mode="swap", swap_space=space)
+    assert llm.engine.model_runner.num_host_blocks == (host_blocks or 2**30 // BLOCK_BYTES)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    stats = llm.stats()
+    assert (stats["num_preemptions"], stats["num_swap_preemptions"], stats["num_swap_fallbacks"]) == (
+        swaps + fallbacks, swaps, fallbacks)
+    assert stats["num_recomputed_tokens"] == recomputed
+    assert stats["num_blocks_swapped_in"] == stats["num_blocks_swapped_out"] > 0
+    assert stats["swap_bytes_out"] == stats["swap_bytes_in"] == stats["num_blocks_swapped_out"] * BLOCK_BYTES
+    host = llm.engine.scheduler.host_pool
+    host.check_invariants()
+    assert host.num_free == host.num_blocks and stats["host_kv_usage"] == 0.0
+    assert_pool_drained(llm)
+
+
 def test_prefix_caching_hits_and_matches_hugging_face(hf_llama):
     path, prompts, expected = hf_llama
     llm = LLM(str(path), block_size=8, num_blocks=64, max_num_seqs=4, log_stats=False)

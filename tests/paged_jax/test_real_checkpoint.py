@@ -43,3 +43,15 @@ def test_prefix_cache_hits_and_preemptions_keep_the_story(reference):
     outs = llm.generate([prompt] * 6, SamplingParams(temperature=0.0, max_tokens=40))
     assert [o.outputs[0].token_ids for o in outs] == [want] * 6
     assert llm.stats()["num_preemptions"] > 0
+
+
+def test_swapped_to_host_memory_and_back_the_story_goes_on(reference):
+    """Six copies at once on 13 blocks of 16, preempted by swapping: each resumes from its own
+    blocks brought back from host memory, and none is recomputed."""
+    prompt = [BOS] + reference.token_ids[:40]
+    llm = LLM(str(MODEL), num_blocks=14, max_num_seqs=6, log_stats=False, preemption_mode="swap", swap_space=0.01)
+    outs = llm.generate([prompt] * 6, SamplingParams(temperature=0.0, max_tokens=40))
+    assert [o.outputs[0].token_ids for o in outs] == [reference.token_ids[40:80]] * 6
+    stats = llm.stats()
+    assert stats["num_swap_preemptions"] == stats["num_preemptions"] > 0
+    assert stats["num_swap_fallbacks"] == stats["num_recomputed_tokens"] == 0

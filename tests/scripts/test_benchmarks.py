@@ -47,6 +47,17 @@ def test_same_memory_paged_runs_more_sequences_than_contiguous(tmp_path):
     assert paged["same_tokens"] == contiguous["same_tokens"] == 1.0  # preemption and recompute included
 
 
+def test_preemption_by_swap_recomputes_nothing(tmp_path):
+    """6 requests of 24 tokens (2 blocks each at the end) in 128 KV slots (8 blocks): both modes
+    preempt; swap moves blocks to host memory and back and computes no token twice."""
+    result = throughput(tmp_path, "--section", "preemption", "--num-requests", "6", "--kv-budget-seqs", "1")
+    recompute, swap = result["rows"]
+    assert [recompute["name"], swap["name"]] == ["recompute, 128 KV slots", "swap, 128 KV slots"]
+    assert recompute["num_preemptions"] > 0 and swap["num_preemptions"] > 0
+    assert recompute["swap_mib"] == 0.0 and swap["recomputed"] == swap["swap_fallbacks"] == 0 < swap["swap_mib"]
+    assert swap["same_tokens"] == 1.0
+
+
 def test_prefix_caching_computes_the_shared_prompt_once(tmp_path):
     result = throughput(tmp_path, "--section", "prefix", "--num-requests", "6", "--prefix-len", "32",
                         "--prefix-output-len", "4")

@@ -1,0 +1,111 @@
+"""Swapping KV blocks between the device pool and host memory (the paper's section 4.5; vLLM V0's
+CacheEngine.swap_in / swap_out): the host copy of the KV cache and the two batched copies.
+
+Each step moves its blocks in one gather (device -> host) and one scatter (host -> device), never a
+loop of single-block copies. Every leaf of the KV-cache pytree travels, whatever the cache holds
+(K and V pages, or one interleaved array, and any array kept beside them, such as quantization
+scales): a leaf's block axis is the one of size num_layers x num_blocks, layer-major, which is how
+every cache layout stacks its layers.
+
+The device -> host copy overlaps with the step's compute: the gather is dispatched before the model
+call, its transfer started at once (`copy_to_host_async`), and it is read only after the model call
+is dispatched. On platforms with host memory kinds (GPU: "pinned_host") the gathered blocks go to
+pinned host memory, which the DMA engines copy to without a staging buffer; on CPU the host copy is
+plain numpy.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def block_axis(leaf, num_stacked: int) -> int:
+    """The axis of a cache leaf that indexes (layer, block) pairs: the first of size `num_stacked`."""
+    for axis, size in enumerate(leaf.shape):
+        if size == num_stacked:
+            return axis
+    raise ValueError(f"a KV cache leaf of shape {tuple(leaf.shape)} has no block axis of size {num_stacked}")
+
+
+def _stacked_ids(block_ids, num_layers: int, num_blocks: int):
+    """i32[n] block ids -> i32[num_layers * n], the same blocks in every layer, layer-major."""
+    return (block_ids[None, :] + num_blocks * jnp.arange(num_layers, dtype=jnp.int32)[:, None]).reshape(-1)
+
+
+@jax.jit
+def gather_blocks(cache, block_ids):
+    """Blocks `block_ids` (i32[n]) of every leaf -> the same pytree with each block axis num_layers x n."""
+    idx = _stacked_ids(block_ids, cache.num_layers, cache.num_blocks)
+    total = cache.num_layers * cache.num_blocks
+    return jax.tree.map(lambda leaf: jnp.take(leaf, idx, axis=block_axis(leaf, total)), cache)
+
+
+def scatter_blocks(cache, block_ids, blocks):
+    """Write `blocks` (as `gather_blocks` returns them) into blocks `block_ids` (i32[n]; -1 skips)."""
+    total = cache.num_layers * cache.num_blocks
+    idx = _stacked_ids(block_ids, cache.num_layers, cache.num_blocks)
+    idx = jnp.where(jnp.repeat(block_ids[None, :] >= 0, cache.num_layers, axis=0).reshape(-1), idx, total)
+
+    def put(leaf, new):
+        axis = block_axis(leaf, total)
+        return leaf.at[(slice(None),) * axis + (idx,)].set(new.astype(leaf.dtype), mode="drop")
+
+    return jax.tree.map(put, cache, blocks)
+
+
+class HostKVCache:
+    """The host pool's block contents: per cache leaf, an array whose block axis holds
+    num_layers x num_blocks host blocks (zeros are not touched until written, so an unused
+    swap_space costs address space, not memory)."""
+
+    def __init__(self, cache, num_blocks: int):
+        self.num_layers, self.num_blocks = cache.num_layers, int(num_blocks)
+        total = cache.num_layers * cache.num_blocks
+        self.axes = jax.tree.map(lambda leaf: block_axis(leaf, total), cache)
+        self.storage = jax.tree.map(
+            lambda leaf, axis: np.zeros(leaf.shape[:axis] + (self.num_layers * self.num_blocks,) + leaf.shape[axis + 1:],
+                                        leaf.dtype), cache, self.axes)
+        device = jax.tree.leaves(cache)[0].sharding
+        kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+        self.host_sharding = (device.with_memory_kind("pinned_host")
+                              if jax.default_backend() != "cpu" and "pinned_host" in kinds else None)
+
+    @staticmethod
+    def block_bytes(cache) -> int:
+        """Bytes one block takes in every layer and leaf together."""
+        return sum(leaf.nbytes for leaf in jax.tree.leaves(cache)) // cache.num_blocks
+
+    def _index(self, host_ids) -> np.ndarray:
+        ids = np.asarray(host_ids, np.int64)
+        return (ids[None, :] + self.num_blocks * np.arange(self.num_layers)[:, None]).reshape(-1)
+
+    def start_copy_out(self, cache, block_ids):
+        """Dispatch the gather of device blocks `block_ids` (i32[n]) and start its transfer."""
+        blocks = gather_blocks(cache, jnp.asarray(block_ids, jnp.int32))
+        if self.host_sharding is not None:
+            return jax.device_put(blocks, self.host_sharding)
+        for leaf in jax.tree.leaves(blocks):
+            leaf.copy_to_host_async()
+        return blocks
+
+    def finish_copy_out(self, blocks, host_ids) -> int:
+        """Store the first len(host_ids) blocks of a started copy in those host blocks -> bytes moved."""
+        n, idx = len(host_ids), self._index(host_ids)
+        moved = 0
+
+        def store(host, leaf, axis):
+            nonlocal moved
+            got = np.asarray(leaf)
+            got = got.reshape(got.shape[:axis] + (self.num_layers, -1) + got.shape[axis + 1:])
+            got = np.take(got, np.arange(n), axis=axis + 1).reshape(got.shape[:axis] + (-1,) + got.shape[axis + 2:])
+            host[(slice(None),) * axis + (idx,)] = got
+            moved += got.nbytes
+
+        jax.tree.map(store, self.storage, blocks, self.axes)
+        return moved
+
+    def read(self, host_ids):
+        """Host blocks `host_ids` of every leaf, as `gather_blocks` lays them out (numpy)."""
+        idx = self._index(host_ids)
+        return jax.tree.map(lambda host, axis: np.take(host, idx, axis=axis), self.storage, self.axes)
