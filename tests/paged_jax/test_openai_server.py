@@ -384,3 +384,22 @@ def test_an_error_inside_a_stream_is_an_error_chunk_then_done():
     assert json.loads(lines[1][6:]) == {"error": {"message": "the engine stopped: boom", "type": "InternalServerError",
                                                   "param": None, "code": 500}}
     assert lines[2:] == ["data: [DONE]\n\n"]
+
+
+@pytest.mark.parametrize("flags, named", [(["--kv-cache-dtype", "int4"], "int4"),
+                                          (["--preemption-mode", "offload"], "offload"),
+                                          (["--swap-space", "-1"], "swap_space")])
+def test_engine_flags_reach_the_engine_and_a_bad_one_is_one_line_and_exit_2(flags, named, capsys, monkeypatch):
+    import uvicorn
+
+    from paged_jax.entrypoints.openai import api_server
+
+    def run(*args, **kwargs):
+        raise AssertionError(f"the server started: {flags} did not reach the engine")
+
+    monkeypatch.setattr(uvicorn, "run", run)
+    with pytest.raises(SystemExit) as e:
+        api_server.main([*flags, "--no-compilation-cache", "--warmup-prompt-len", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1
+    assert err[0].startswith("paged-jax-serve: error: ") and named in err[0]

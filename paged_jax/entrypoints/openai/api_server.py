@@ -198,6 +198,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: the checkpoint's")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--kv-cache-dtype", default="auto", help='"auto" (the model\'s dtype), "int8" or "fp8_e4m3"')
+    ap.add_argument("--preemption-mode", default="recompute", help='"recompute" or "swap" (to host memory)')
+    ap.add_argument("--swap-space", type=float, default=4, help="GiB of host memory for swapped blocks")
     ap.add_argument("--api-key", default=os.environ.get("PAGED_JAX_API_KEY"),
                     help="require `Authorization: Bearer KEY` on /v1 (default: $PAGED_JAX_API_KEY)")
     ap.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template instead of the model's")
@@ -229,7 +232,8 @@ def main(argv=None) -> None:
                                                  "gpu_memory_utilization", "seed") if getattr(args, k) is not None}
     try:
         llm = LLM(model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
-                  enable_prefix_caching=args.enable_prefix_caching, **engine_args)
+                  enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
+                  preemption_mode=args.preemption_mode, swap_space=args.swap_space, **engine_args)
         tokenizer = llm.get_tokenizer()
         if args.chat_template:
             if tokenizer is None:
