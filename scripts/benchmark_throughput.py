@@ -8,7 +8,7 @@ all submitted at once with ignore_eos, greedy, on one random Llama (58M paramete
                                                                 # the same requests, rising engine capacity
     python scripts/benchmark_throughput.py --section window     # one KV budget, with and without a window
     python scripts/benchmark_throughput.py --section kv-dtype   # one KV budget: auto / int8 / fp8 pages
-    python scripts/benchmark_throughput.py --section preemption # memory-starved: recompute vs swap
+    python scripts/benchmark_throughput.py --section preemption # memory-starved: recompute, swap, host tier
 
 Sections: `engines`: the paged engine (block_size 16); the same engine with block_size = max_model_len
 (a contiguous reservation of the longest answer per request); a plain JAX greedy loop over a dense KV
@@ -20,8 +20,8 @@ then 128 requests at the largest: the cost of a step must follow the work, not t
 `window`: the same weights as Llama (every layer global) and as Mistral with a sliding window (blocks
 behind it go back to the pool), one KV budget, long generations. `kv-dtype`: real weights, one KV
 budget, the pages in the model's dtype, int8 and fp8 (scripts/kv_dtype_section.py). `preemption`:
-fixed-length requests that overflow one KV budget, preempted by recompute or by swapping
-(scripts/bench_preemption.py). Run
+fixed-length requests that overflow one KV budget, preempted by recompute or by swapping, with
+and without the prefix cache's host tier (scripts/bench_preemption.py). Run
 time excludes jit compile time (each engine first runs other prompts of the same lengths).
 """
 from __future__ import annotations
@@ -60,6 +60,7 @@ COLUMNS = {
                         ("run_s", "run s", ".1f")],
     "preemption": COMMON + [("num_preemptions", "preempted", "d"), ("swap_fallbacks", "swap full", "d"),
                             ("recomputed", "recomputed tokens", "d"), ("swap_mib", "swapped MiB", ".1f"),
+                            ("host_hits", "host-tier hit tokens", "d"), ("tier_mib", "host-tier MiB", ".1f"),
                             ("output_tok_s", "output tok/s", ".1f"), ("ratio", "x recompute", ".2f"),
                             ("run_s", "run s", ".1f"), ("same_tokens", "same tokens", ".0%")],
     "capacity": COMMON + [("output_tok_s", "output tok/s", ".1f"), ("ratio", "x baseline", ".2f"),
@@ -127,7 +128,9 @@ def engine_row(name, llm, prompts, output_lens, read_pool=False):
                 num_preemptions=stats["num_preemptions"], hit_rate=stats["prefix_cache_hit_rate"],
                 peak_blocks=stats["peak_blocks_used"], recomputed=stats["num_recomputed_tokens"],
                 swap_fallbacks=stats["num_swap_fallbacks"],
-                swap_mib=(stats["swap_bytes_out"] + stats["swap_bytes_in"]) / 2**20)
+                swap_mib=(stats["swap_bytes_out"] + stats["swap_bytes_in"]) / 2**20,
+                host_hits=stats["host_prefix_cache_hits"],
+                tier_mib=(stats["host_prefix_cache_bytes_out"] + stats["host_prefix_cache_bytes_in"]) / 2**20)
 
 
 def timed_row(name, generate, *gen_args):
@@ -200,7 +203,8 @@ def main(argv=None):
     ap.add_argument("--max-num-seqs", type=int, default=8, help="engine batch and static batch size")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="engine token budget per step")
     ap.add_argument("--kv-budget-seqs", type=int, default=4, help="memory: KV budget in max_model_len requests")
-    ap.add_argument("--prefix-len", type=int, default=512, help="prefix: shared system prompt tokens")
+    ap.add_argument("--prefix-len", type=int, default=512, help="prefix, preemption: shared system prompt tokens")
+    ap.add_argument("--prefix-groups", type=int, default=0, help="preemption: distinct shared prefixes (0: none)")
     ap.add_argument("--prefix-output-len", type=int, default=16)
     ap.add_argument("--window", type=int, default=128, help="window: the sliding window in tokens")
     ap.add_argument("--no-hf", action="store_true", help="skip Hugging Face generate")

@@ -29,10 +29,13 @@ class Plan:
     forks: list[tuple[Sequence, Sequence]] = dataclasses.field(default_factory=list)  # (child, parent)
     preempted: list[Sequence] = dataclasses.field(default_factory=list)
     free_slots: list[int] = dataclasses.field(default_factory=list)
-    # Preemption by swapping: device -> host copies (device block, host block), each block once, and
-    # the resuming slots' host blocks (slot, host block ids in table order, tokens they hold).
+    # Host memory: device -> host copies (device block, host block) of swapped victims and of
+    # cached blocks this step evicts (the prefix cache's host tier), and host -> device loads (slot,
+    # host block ids, the table entry the first fills) of resuming swapped slots and tier hits.
     swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    tier_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     swap_in: list[tuple[int, list[int], int]] = dataclasses.field(default_factory=list)
+    tier_in: list[tuple[int, list[int], int]] = dataclasses.field(default_factory=list)
     marks: list[int] = dataclasses.field(default_factory=list)
     skips: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (slot, entries out of the window)
     free_blocks: int = 0  # the most blocks any freed slot held (the device's table width for the frees)
@@ -44,14 +47,21 @@ class Plan:
     # token at the wrong position.
     is_decode: bool = False
 
+    @property
+    def host_loads(self) -> list[tuple[int, list[int], int]]:
+        return self.swap_in + self.tier_in
+
 
 class Scheduler:
     def __init__(self, *, max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
                  max_blocks_per_seq, long_prefill_token_threshold=0, prefix_cache=None, sliding_window=None,
-                 host_pool: HostBlockPool | None = None):
+                 host_pool: HostBlockPool | None = None, swap_preemption=False, host_tier=False,
+                 num_decode_steps=1):
         """`sliding_window`: every layer's attention window (tokens), or None; with one, blocks that
-        fall out of a sequence's window go back to the pool. `host_pool`: preempt by swapping the
-        victim's blocks to it (vLLM V0's preemption_mode="swap"); None: by recompute."""
+        fall out of a sequence's window go back to the pool. With a `host_pool`: `swap_preemption`
+        preempts by swapping the victim's blocks to it (vLLM V0's preemption_mode="swap"; else by
+        recompute), and `host_tier` keeps the cached blocks the device evicts there, for prefix hits.
+        `num_decode_steps`: the most tokens one decode call adds to a sequence."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = block_size
@@ -66,10 +76,14 @@ class Scheduler:
         self.pending_free_blocks = 0
         self.pending_marks: list[int] = []  # blocks newly entered in the prefix cache
         self.host_pool = host_pool
+        self.swap_preemption = swap_preemption and host_pool is not None
+        self.host_tier = host_tier and host_pool is not None
+        self.num_decode_steps = num_decode_steps
         self.num_preemptions = 0
         self.num_swap_preemptions = 0  # of those, by swapping
         self.num_swap_fallbacks = 0  # swap preemptions the full host pool turned into recomputes
         self.num_recomputed_tokens = 0  # tokens computed again after a recompute preemption
+        self.num_tier_hit_tokens = 0  # prompt tokens whose KV a prefix hit copied back from the host tier
         self.pool = PoolMirror(num_blocks, block_size, max_num_seqs, max_blocks_per_seq)
 
     @property
@@ -127,6 +141,7 @@ class Scheduler:
         ref, free = self.pool.ref, self.pool.num_free  # planned on, never written
         hit_refs: dict[int, int] = {}  # references this plan adds to prefix-hit blocks
         budget = self.max_num_batched_tokens
+        num_new = 0  # blocks this step's call hands out from the free queue
 
         # Pass 1: running sequences in admission order; preempt from the back when blocks run out.
         i = 0
@@ -160,6 +175,7 @@ class Scheduler:
             plan.scheduled.append((seq, n))
             budget -= n
             free -= need
+            num_new += need
             i += 1
         for victim in plan.preempted:  # the last preempted is first in line, as vLLM's prepend
             self.waiting.appendleft(victim)
@@ -171,7 +187,8 @@ class Scheduler:
                 break
             swapped = bool(seq.host_blocks)  # resumes with the tokens its host blocks hold
             hits = self._prefix_hits(seq) if seq.num_computed == 0 else []
-            cached = seq.num_computed if swapped else len(hits) * self.block_size
+            tier = self._tier_hits(seq, len(hits)) if seq.num_computed == 0 else []
+            cached = seq.num_computed if swapped else (len(hits) + len(tier)) * self.block_size
             n = self._chunk(seq.num_tokens - cached, budget)
             revived = sum(int(ref[b] + hit_refs.get(b, 0) == 0) for b, _ in hits)  # taken back from the free queue
             need = self._blocks(cached + n) - len(hits) + revived
@@ -182,17 +199,21 @@ class Scheduler:
             for b, _ in hits:
                 hit_refs[b] = hit_refs.get(b, 0) + 1
             free -= need
+            num_new += need - revived
             budget -= n
             seq.slot = heapq.heappop(self.free_slot_ids)
             for child in seq.children:
                 child.slot = heapq.heappop(self.free_slot_ids)
             seq.status, seq.num_computed, seq.prefill_end = Status.RUNNING, cached, seq.num_tokens
             if swapped:
-                plan.swap_in.append((seq.slot, seq.host_blocks, cached))
+                plan.swap_in.append((seq.slot, seq.host_blocks, 0))
                 self.host_pool.free(seq.host_blocks)  # read by the runner before any later swap-out
                 seq.host_blocks = []
             else:
-                self.prefix_cache.record(seq.num_tokens, cached)
+                if tier:
+                    plan.tier_in.append((seq.slot, tier, len(hits)))
+                    self.num_tier_hit_tokens += len(tier) * self.block_size
+                self.prefix_cache.record(seq.num_tokens, len(hits) * self.block_size)
                 self.num_recomputed_tokens += max(0, seq.num_lost - cached)
                 seq.num_lost = 0
             if seq.request.num_cached_tokens is None:
@@ -208,13 +229,37 @@ class Scheduler:
         plan.is_decode = bool(plan.scheduled) and not (plan.admitted or plan.forks or plan.preempted) and all(
             n == 1 and seq.num_tokens - seq.num_computed == 1 for seq, n in plan.scheduled)
         plan.free_blocks, self.pending_free_blocks = self.pending_free_blocks, 0
+        self.pool.settle()
+        if self.host_tier:
+            if plan.is_decode:  # the decode loop may run num_decode_steps tokens
+                num_new = sum(self._blocks(seq.num_computed + self.num_decode_steps) - self.pool.num_blocks_of(seq.slot)
+                              for seq, _ in plan.scheduled)
+            self._tier_out(plan, num_new, {b for b in hit_refs if ref[b] == 0})
         return plan
+
+    def _tier_out(self, plan: Plan, num_new: int, revived: set[int]) -> None:
+        """The host tier keeps the cached blocks this step's hand-outs evict: each is copied to a
+        host block before the step writes it (one that a swap-out of this plan copies anyway is
+        gathered once: the runner gathers each device block once)."""
+        for block in self.pool.next_evictions(num_new, revived):
+            block_hash = self.prefix_cache.hash_of.get(block)
+            host = None if block_hash is None else self.host_pool.store(block_hash)
+            if host is not None:
+                plan.tier_out.append((block, host))
+
+    def _tier_hits(self, seq, num_device_hits: int) -> list[int]:
+        """Host tier blocks continuing a prefix hit past the device's run (the tail of a chain is
+        evicted first, so the device keeps the start); at most (num_tokens - 1) // bs in all."""
+        if not self.host_tier or seq.request.params.prompt_logprobs is not None:
+            return []
+        end = (seq.num_tokens - 1) // self.block_size
+        return self.host_pool.lookup(seq.block_hashes[num_device_hits:end])
 
     def _swap_out(self, victim: Sequence, plan: Plan) -> list[int]:
         """The victim's host blocks when it is preempted by swapping (its device -> host copies
         join the plan), or [] to recompute it: in recompute mode, when it has unforked children
         or a sliding window unmapped some of its blocks, and when the host pool is full (counted)."""
-        if self.host_pool is None or victim.children or self.sliding_window is not None or victim.num_computed == 0:
+        if not self.swap_preemption or victim.children or self.sliding_window is not None or victim.num_computed == 0:
             return []
         blocks = self.pool.slot_blocks(victim.slot)
         host = self.host_pool.swap_out(blocks, self.pool.version[blocks], plan.swap_out)
@@ -222,10 +267,18 @@ class Scheduler:
         self.num_swap_fallbacks += host is None
         return host or []
 
+    def reset_prefix_cache(self) -> None:
+        """Every prefix-cache entry is gone, the host tier's too (no block may be held)."""
+        self.prefix_cache.reset()
+        self.pool.uncache_all()
+        if self.host_tier:
+            self.host_pool.reset_tier()
+
     def take_pool_ops(self) -> Plan:
         """Going idle: a plan of just the pending frees and cache marks."""
         plan = Plan(marks=self.pending_marks, free_slots=self.pending_free, free_blocks=self.pending_free_blocks)
         self.pending_marks, self.pending_free, self.pending_free_blocks = [], [], 0
+        self.pool.settle()
         return plan
 
     def _remove_skipped_blocks(self, seq: Sequence, plan: Plan) -> int:
@@ -279,12 +332,14 @@ class Scheduler:
             row = row_of.get(seq.slot)
             if row is None:
                 continue
-            self.cache_full_blocks(seq)  # prompt chunks too: a request admitted next step can hit them
             taken = int(np.sum(output.tokens[row] >= 0))
-            if taken == 0:
-                continue
             seq.token_ids += output.tokens[row, :taken].tolist()
             seq.token_logprobs += output.logprob[row, :taken].tolist()
+            # Prompt chunks too (a request admitted next step can hit them), and after the new
+            # tokens: a block the call filled with tokens it sampled is cached before a finish.
+            self.cache_full_blocks(seq)
+            if taken == 0:
+                continue
             progressed.append((seq, row, taken))
             code = int(output.finish[row])
             if code == 1:
@@ -311,4 +366,5 @@ class Scheduler:
             block = int(self.pool.tables[seq.slot, i])
             if block > 0 and self.prefix_cache.insert(seq.block_hashes[i], block, int(self.pool.version[block])):
                 self.pending_marks.append(block)
+                self.pool.cached[block] = True
         seq.num_cached_blocks = max(seq.num_cached_blocks, full)

@@ -28,7 +28,12 @@ class EngineConfig:
     bytes_per_block: int
     kv_cache_dtype: str = "auto"  # or "int8", "fp8_e4m3": quantized pages with their scales
     preemption_mode: str = "recompute"  # or "swap": a victim's blocks go to host memory
-    swap_space: float = 0.0  # GiB of host memory for swapped blocks (preemption_mode "swap")
+    swap_space: float = 0.0  # GiB of host memory for swapped blocks and the host prefix cache
+    enable_host_prefix_cache: bool = False  # evicted cached blocks are kept in host memory
+
+    @property
+    def uses_host_memory(self) -> bool:
+        return self.preemption_mode == "swap" or self.enable_host_prefix_cache
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -84,7 +89,8 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
             activation_bytes=None, max_num_seqs,
             max_num_batched_tokens, max_model_len, num_decode_steps, long_prefill_token_threshold,
             enable_prefix_caching, attention_backend, kv_dtype, kv_shards=1, sliding_window=None,
-            kv_cache_dtype="auto", preemption_mode="recompute", swap_space=4) -> EngineConfig:
+            kv_cache_dtype="auto", preemption_mode="recompute", swap_space=4,
+            enable_host_prefix_cache=False) -> EngineConfig:
     """`kv_shards`: devices the KV heads are split over (tensor parallelism); the budget is per
     device, so each block costs a device 1 / kv_shards of its bytes. `sliding_window`: the window every
     layer shares, which bounds the blocks a sequence holds (and so what the pool can use), not its length. `activation_bytes(num_tokens,
@@ -100,6 +106,17 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
         raise ValueError(f"swap_space must be a number of GiB >= 0, got {swap_space!r}")
     if preemption_mode == "swap" and kv_shards > 1:
         raise ValueError(f"preemption_mode='swap' with tensor parallelism ({kv_shards} shards) is not built")
+    if enable_host_prefix_cache not in (True, False):
+        raise ValueError(f"enable_host_prefix_cache must be True or False, got {enable_host_prefix_cache!r}")
+    if enable_host_prefix_cache:
+        if not enable_prefix_caching:
+            raise ValueError("enable_host_prefix_cache=True needs enable_prefix_caching=True (it keeps the "
+                             "prefix cache's evicted blocks)")
+        if not swap_space > 0:
+            raise ValueError(f"enable_host_prefix_cache=True needs swap_space > 0 GiB to hold its blocks, "
+                             f"got swap_space={swap_space!r}")
+        if kv_shards > 1:
+            raise ValueError(f"enable_host_prefix_cache with tensor parallelism ({kv_shards} shards) is not built")
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     on_cpu = jax.default_backend() == "cpu"
@@ -136,7 +153,7 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
                         enable_prefix_caching=enable_prefix_caching,
                         attention_backend=attention_backend, bytes_per_block=bytes_per_block,
                         kv_cache_dtype=kv_cache_dtype, preemption_mode=preemption_mode,
-                        swap_space=float(swap_space))
+                        swap_space=float(swap_space), enable_host_prefix_cache=enable_host_prefix_cache)
 
 
 def blocks_per_seq(longest: int, block_size: int, sliding_window: int | None = None, step_tokens: int = 0) -> int:

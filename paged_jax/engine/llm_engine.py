@@ -32,12 +32,14 @@ class LLMEngine:
                  max_num_batched_tokens=None,
                  max_model_len=None, num_decode_steps=8, long_prefill_token_threshold=0,
                  enable_prefix_caching=True, attention_backend="auto", seed=0, mesh=None, log_stats=True,
-                 kv_cache_dtype="auto", preemption_mode="recompute", swap_space=4):
+                 kv_cache_dtype="auto", preemption_mode="recompute", swap_space=4, enable_host_prefix_cache=False):
         """`mesh`: a jax Mesh with a "model" axis for tensor parallelism (paged_jax.worker.sharding).
         `kv_cache_dtype`: "auto" (the model's dtype), "int8" or "fp8_e4m3" (quantized pages).
         `preemption_mode`: "recompute" (vLLM V1) drops a preempted request's blocks; "swap" (vLLM V0,
         the paper's section 4.5) copies them to `swap_space` GiB of host memory and back when it
-        resumes, recomputing only when the host pool is full."""
+        resumes, recomputing only when the host pool is full. `enable_host_prefix_cache`: the
+        prefix cache's blocks that the device evicts are kept in that host memory too (least
+        recently used first out), and a prefix hit on one copies it back instead of computing it."""
         if mesh is not None:
             model = sharding.shard_model(model, mesh)
         self.mesh = mesh
@@ -58,7 +60,8 @@ class LLMEngine:
             enable_prefix_caching=enable_prefix_caching,
             attention_backend=backend, kv_dtype=kv_dtype,
             kv_shards=sharding.tensor_parallel_size(mesh), sliding_window=window,
-            kv_cache_dtype=kv_cache_dtype, preemption_mode=preemption_mode, swap_space=swap_space)
+            kv_cache_dtype=kv_cache_dtype, preemption_mode=preemption_mode, swap_space=swap_space,
+            enable_host_prefix_cache=enable_host_prefix_cache)
         if log_stats:
             config_lib.announce(self.config)
         c = self.config
@@ -72,7 +75,9 @@ class LLMEngine:
             block_size=c.block_size, num_blocks=c.num_blocks, max_blocks_per_seq=c.max_blocks_per_seq,
             long_prefill_token_threshold=c.long_prefill_token_threshold, prefix_cache=self.prefix_cache,
             sliding_window=window,
-            host_pool=HostBlockPool(self.model_runner.num_host_blocks) if c.preemption_mode == "swap" else None)
+            host_pool=HostBlockPool(self.model_runner.num_host_blocks) if c.uses_host_memory else None,
+            swap_preemption=c.preemption_mode == "swap", host_tier=c.enable_host_prefix_cache,
+            num_decode_steps=c.num_decode_steps)
         self.requests: dict[str, Request] = {}
         self._finished_outside_step: set[str] = set()  # rejected or aborted: reported by the next step
         self.seed = seed
@@ -271,6 +276,7 @@ class LLMEngine:
         self.prefix_cache.queries = self.prefix_cache.hits = 0
         self.scheduler.num_preemptions = self.scheduler.num_swap_preemptions = 0
         self.scheduler.num_swap_fallbacks = self.scheduler.num_recomputed_tokens = 0
+        self.scheduler.num_tier_hit_tokens = 0
         self.model_runner.reset_counters()
         self._reset_counters()
         return {"programs": events.count("/jax/core/compile/backend_compile_duration"),
@@ -288,7 +294,7 @@ class LLMEngine:
         self.model_runner.apply_pool_ops(self.scheduler.take_pool_ops())
         if self.scheduler.num_free != self.config.num_blocks - 1:
             return False
-        self.prefix_cache.reset()
+        self.scheduler.reset_prefix_cache()
         self.model_runner.reset_prefix_cache()
         return True
 
@@ -309,6 +315,7 @@ class LLMEngine:
             num_swap_fallbacks=self.scheduler.num_swap_fallbacks,
             num_recomputed_tokens=self.scheduler.num_recomputed_tokens,
             host_kv_usage=self.scheduler.host_pool.usage() if self.scheduler.host_pool else 0.0,
+            host_prefix_cache_hits=self.scheduler.num_tier_hit_tokens,
             prompt_tokens=k["prompt_tokens"], generation_tokens=k["generation_tokens"],
             num_requests_running=running, num_requests_waiting=len(self.scheduler.waiting),
             prefill_tokens=k["prefill_tokens"], max_num_running=k["max_num_running"],

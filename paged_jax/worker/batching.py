@@ -66,8 +66,8 @@ class PrefillBatch:
     prompt_lp_targets: np.ndarray  # i32[P]
     prompt_lp_rows: np.ndarray  # i32[P]; -1 pad
     prompt_lp_positions: np.ndarray  # i32[P]
-    # Rows resumed after a swap: swapped-in block j goes to table entry (swap_rows[j], swap_cols[j])
-    # of the batch (-1 pad); S = 0 when none is.
+    # Blocks loaded from host memory (swapped in, host prefix cache hits): block j goes to table
+    # entry (swap_rows[j], swap_cols[j]) of the batch (-1 pad); S = 0 when none is.
     swap_rows: np.ndarray  # i32[S]
     swap_cols: np.ndarray  # i32[S]
 
@@ -139,9 +139,9 @@ def prefill_batch(plan: Plan, *, block_size: int, max_num_seqs: int, max_blocks_
     b["query_start_loc"][len(plan.scheduled) + 1:] = at
     b.update(_prompt_logprob_entries(plan, size))
     rows, cols = [], []
-    for slot, ids, _ in plan.swap_in:
+    for slot, ids, first in plan.host_loads:
         rows += [index[slot]] * len(ids)
-        cols += range(len(ids))
+        cols += range(first, first + len(ids))
     b["swap_rows"], b["swap_cols"] = padded(rows, -1) if rows else np.zeros(0, i32), padded(cols) if rows else np.zeros(0, i32)
     for slot, (hits, versions) in plan.admitted.items():
         b["hits"][index[slot], : len(hits)] = hits

@@ -38,9 +38,9 @@ class ModelRunner:
         self.state = runner.DeviceState(cache=cache, pool=self._replicate(pool),
                                         output_counts=self._replicate(empty.astype(np.int32)),
                                         prompt_mask=self._replicate(empty.astype(bool)))
-        # Preemption by swapping: swap_space GiB of host blocks, each as large as a device block.
-        self.num_host_blocks = (int(c.swap_space * 2**30) // swap.HostKVCache.block_bytes(cache)
-                                if c.preemption_mode == "swap" else 0)
+        # Swapping and the host prefix cache: swap_space GiB of host blocks, each as large as a device block.
+        self.host_block_bytes = swap.HostKVCache.block_bytes(cache)
+        self.num_host_blocks = int(c.swap_space * 2**30) // self.host_block_bytes if c.uses_host_memory else 0
         self.host_cache = swap.HostKVCache(cache, self.num_host_blocks) if self.num_host_blocks else None
         self.reset_counters()
 
@@ -49,7 +49,9 @@ class ModelRunner:
         # and the bytes that crossed between host and device each way.
         self.counters = dict(device_seconds=0.0, bytes_to_device=0, bytes_from_device=0,
                              decode_bytes_to_device=0, decode_bytes_from_device=0,
-                             num_blocks_swapped_out=0, num_blocks_swapped_in=0, swap_bytes_out=0, swap_bytes_in=0)
+                             num_blocks_swapped_out=0, num_blocks_swapped_in=0, swap_bytes_out=0, swap_bytes_in=0,
+                             host_prefix_cache_blocks_out=0, host_prefix_cache_blocks_in=0,
+                             host_prefix_cache_bytes_out=0, host_prefix_cache_bytes_in=0)
 
     def _replicate(self, x):
         """The pool and sampling state: one copy on every device of the mesh."""
@@ -60,6 +62,7 @@ class ModelRunner:
     def execute(self, plan: Plan) -> ModelOutput:
         self.apply_pool_ops(plan)
         c = self.config
+        copying = self._start_copy_out(plan)
         if plan.is_decode:
             seqs = [seq for seq, _ in plan.scheduled]
             batch, width = batching.decode_batch(plan, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
@@ -69,10 +72,8 @@ class ModelRunner:
             start = time.perf_counter()
             self.state, out = runner.decode_steps(self.graphdef, self.params, self.state, batch, sp,
                                                   flags=self._flags(seqs), num_steps=c.num_decode_steps, width=width)
+            self._finish_copy_out(plan, copying)
             return self._fetch("decode_", out, start, batch, sp)
-        copying = None
-        if plan.swap_out:  # gathered before this step's allocations can reuse the freed blocks
-            copying = self.host_cache.start_copy_out(self.state.cache, batching.padded([d for d, _ in plan.swap_out]))
         seqs = batching.prefill_rows(plan)
         self._reset_penalty_rows([s for s, _ in plan.scheduled if s.slot in plan.admitted]
                                  + [child for child, _ in plan.forks])
@@ -81,10 +82,8 @@ class ModelRunner:
         sp = self._row_params(seqs, batch.slots.shape[0])
         start = time.perf_counter()
         self.state, out, ok = runner.prefill_step(self.graphdef, self.params, self.state, batch, sp,
-                                                  self._swap_in(plan.swap_in, batch), flags=self._prefill_flags(seqs, plan, batch))
-        if copying is not None:  # its transfer ran while the step was dispatched; store it now
-            self.counters["swap_bytes_out"] += self.host_cache.finish_copy_out(copying, [h for _, h in plan.swap_out])
-            self.counters["num_blocks_swapped_out"] += len(plan.swap_out)
+                                                  self._load(plan, batch), flags=self._prefill_flags(seqs, plan, batch))
+        self._finish_copy_out(plan, copying)
         out = self._fetch("", (out, ok), start, batch, sp)
         if not out[1]:
             raise RuntimeError("internal error: the device pool refused an operation the scheduler planned")
@@ -133,19 +132,44 @@ class ModelRunner:
         if not ok:
             raise RuntimeError("internal error: the device pool refused a fork the host planned")
         return delta
-    def _swap_in(self, resumed, batch: batching.PrefillBatch):
-        """The host blocks of the rows resuming after a swap ((slot, host block ids, tokens) each), in
-        the order of batch.swap_rows: one host read for all of them, scattered by the prefill step
-        -> the blocks (numpy), or None when no row resumes so."""
-        if not resumed:
+    def _start_copy_out(self, plan: Plan):
+        """Dispatch the gather of the plan's device -> host copies (swapped victims, blocks the host
+        prefix cache keeps), each device block once, before this step's allocations can reuse them;
+        the transfer runs while the step is dispatched -> what `_finish_copy_out` takes, or None."""
+        copies = plan.swap_out + plan.tier_out
+        if not copies:
             return None
-        host_ids = [h for _, ids, _ in resumed for h in ids]
+        unique = list(dict.fromkeys(d for d, _ in copies))
+        return self.host_cache.start_copy_out(self.state.cache, batching.padded(unique)), unique
+
+    def _finish_copy_out(self, plan: Plan, copying) -> None:
+        if copying is None:
+            return
+        blocks, unique = copying
+        position = {d: i for i, d in enumerate(unique)}
+        copies = plan.swap_out + plan.tier_out
+        self.host_cache.finish_copy_out(blocks, [h for _, h in copies], [position[d] for d, _ in copies])
+        k, size = self.counters, self.host_block_bytes
+        k["num_blocks_swapped_out"] += len(plan.swap_out)
+        k["swap_bytes_out"] += len(plan.swap_out) * size
+        k["host_prefix_cache_blocks_out"] += len(plan.tier_out)
+        k["host_prefix_cache_bytes_out"] += len(plan.tier_out) * size
+
+    def _load(self, plan: Plan, batch: batching.PrefillBatch):
+        """The host blocks the plan loads (rows resuming after a swap, host prefix cache hits), in
+        the order of batch.swap_rows: one host read for all of them, scattered by the prefill step
+        -> the blocks (numpy), or None when the plan loads none."""
+        host_ids = [h for _, ids, _ in plan.host_loads for h in ids]
+        if not host_ids:
+            return None
         blocks = self.host_cache.read(np.pad(host_ids, (0, batch.swap_rows.shape[0] - len(host_ids))))
-        sent = sum(x.nbytes for x in jax.tree.leaves(blocks))
-        k = self.counters
-        k["swap_bytes_in"] += sent * len(host_ids) // batch.swap_rows.shape[0]  # padding not counted
-        k["num_blocks_swapped_in"] += len(host_ids)
-        k["bytes_to_device"] += sent
+        k, size = self.counters, self.host_block_bytes
+        swapped, tier = (sum(len(ids) for _, ids, _ in loads) for loads in (plan.swap_in, plan.tier_in))
+        k["num_blocks_swapped_in"] += swapped
+        k["swap_bytes_in"] += swapped * size
+        k["host_prefix_cache_blocks_in"] += tier
+        k["host_prefix_cache_bytes_in"] += tier * size
+        k["bytes_to_device"] += sum(x.nbytes for x in jax.tree.leaves(blocks))
         return blocks
 
     def reset_prefix_cache(self) -> None:

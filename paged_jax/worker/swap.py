@@ -89,16 +89,18 @@ class HostKVCache:
             leaf.copy_to_host_async()
         return blocks
 
-    def finish_copy_out(self, blocks, host_ids) -> int:
-        """Store the first len(host_ids) blocks of a started copy in those host blocks -> bytes moved."""
-        n, idx = len(host_ids), self._index(host_ids)
+    def finish_copy_out(self, blocks, host_ids, positions=None) -> int:
+        """Store blocks of a started copy in host blocks `host_ids`: block positions[i] of the copy
+        (default: i) in host_ids[i], so one gathered block may fill several -> bytes stored."""
+        idx = self._index(host_ids)
+        positions = np.arange(len(host_ids)) if positions is None else np.asarray(positions, np.int64)
         moved = 0
 
         def store(host, leaf, axis):
             nonlocal moved
             got = np.asarray(leaf)
             got = got.reshape(got.shape[:axis] + (self.num_layers, -1) + got.shape[axis + 1:])
-            got = np.take(got, np.arange(n), axis=axis + 1).reshape(got.shape[:axis] + (-1,) + got.shape[axis + 2:])
+            got = np.take(got, positions, axis=axis + 1).reshape(got.shape[:axis] + (-1,) + got.shape[axis + 2:])
             host[(slice(None),) * axis + (idx,)] = got
             moved += got.nbytes
 

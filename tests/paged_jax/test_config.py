@@ -62,3 +62,11 @@ def test_bad_preemption_settings_name_the_value():
     # swap_space 0 is allowed: every preemption finds the host pool full and recomputes.
     llm = LLM(model, num_blocks=8, preemption_mode="swap", swap_space=0, log_stats=False)
     assert llm.engine.model_runner.num_host_blocks == 0 and llm.engine.scheduler.host_pool.num_blocks == 0
+    for kwargs, message in (
+            (dict(enable_prefix_caching=False), "enable_host_prefix_cache=True needs enable_prefix_caching=True"),
+            (dict(swap_space=0), "enable_host_prefix_cache=True needs swap_space > 0 GiB to hold its blocks, "
+                                 "got swap_space=0")):
+        with pytest.raises(ValueError, match=message):
+            LLM(model, enable_host_prefix_cache=True, log_stats=False, **kwargs)
+    with pytest.raises(ValueError, match="enable_host_prefix_cache must be True or False, got 'yes'"):
+        LLM(model, enable_host_prefix_cache="yes", log_stats=False)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from paged_jax import LLM, SamplingParams
+from paged_jax.core.prefix_cache import extend_block_hashes
 from tests.models.model_testing import tiny_config
 from tests.paged_jax.engine_testing import assert_pool_drained
 
@@ -69,9 +70,9 @@ BLOCK_BYTES = 2 * 2 * 2 * 8 * 16 * 4  # K and V, tiny_config's 2 layers and 2 KV
 
 @pytest.mark.parametrize("host_blocks, swaps, fallbacks, recomputed", [
     (None, 6, 0, 0),  # swap_space 1 GiB: every preemption swaps
-    # 5 host blocks: one victim finds the host pool full and is recomputed; of the 48 tokens it had
-    # computed, 40 are prefix-cache hits (its own blocks, not yet handed out again), 8 are computed again.
-    (5, 5, 1, 8),
+    # 5 host blocks: one victim finds the host pool full and is recomputed; the 48 tokens it had
+    # computed (6 full blocks) are all prefix-cache hits (its own blocks, not yet handed out again).
+    (5, 5, 1, 0),
 ])
 def test_swap_preemption_matches_hugging_face(hf_llama, host_blocks, swaps, fallbacks, recomputed):
     """Seven requests (three sharing a prefix) on 11 usable blocks of 8 tokens: preempted requests
@@ -194,4 +195,41 @@ def test_prompt_logprobs_are_transformers_log_softmax_in_chunks_and_skip_the_pre
         assert [entry[t].rank for t in top3] == [1, 2, 3]
     assert [list(e) for e in outs[1].prompt_logprobs[1:]] == [[t] for t in prompts[0][1:]]
     assert outs[1].prompt_logprobs[0] is None
+    assert_pool_drained(llm)
+
+
+def test_host_prefix_cache_keeps_evicted_blocks_and_matches_hugging_face(hf_llama):
+    """11 usable blocks of 8: the shared prefix's blocks, cached by a first request, are evicted by
+    four others (which preempt each other); with the host prefix cache every cached block was copied
+    to host memory as the device evicted it, and a later request on that prefix copies its three
+    blocks back instead of computing them. Tokens stay HF's."""
+    path, prompts, expected = hf_llama
+    llm = LLM(str(path), block_size=8, num_blocks=12, max_num_seqs=4, log_stats=False,
+              enable_host_prefix_cache=True, swap_space=1)
+    sched, evicted = llm.engine.scheduler, []
+    evict = sched.prefix_cache.evict
+
+    def spy(block_ids):  # every entry the device drops must already be in the host tier
+        hashes = [sched.prefix_cache.hash_of[b] for b in block_ids if b in sched.prefix_cache.hash_of]
+        assert all(h in sched.host_pool.tier for h in hashes)
+        evicted.extend(hashes)
+        evict(block_ids)
+
+    sched.prefix_cache.evict = spy
+    first = llm.generate([prompts[4]], GREEDY)
+    middle = llm.generate(prompts[:4], GREEDY)
+    before = llm.stats()
+    last = llm.generate([prompts[5]], GREEDY)
+    stats = llm.stats()
+    assert [o.outputs[0].token_ids for o in middle + first + last] == expected[:6]
+    assert last[0].num_cached_tokens == 24
+    chain = []  # the first request's 7 full blocks (27 prompt + 31 computed output tokens)
+    extend_block_hashes(chain, prompts[4] + expected[4][:31], 8)
+    assert len(chain) == 7 and set(chain) <= set(evicted)
+    assert stats["prefix_cache_hits"] == before["prefix_cache_hits"]  # none from the device
+    assert stats["host_prefix_cache_hits"] - before["host_prefix_cache_hits"] == 24
+    assert stats["host_prefix_cache_blocks_in"] * 8 == stats["host_prefix_cache_hits"]
+    for way in ("in", "out"):
+        assert stats[f"host_prefix_cache_bytes_{way}"] == stats[f"host_prefix_cache_blocks_{way}"] * BLOCK_BYTES
+    sched.host_pool.check_invariants()
     assert_pool_drained(llm)

@@ -47,15 +47,20 @@ def test_same_memory_paged_runs_more_sequences_than_contiguous(tmp_path):
     assert paged["same_tokens"] == contiguous["same_tokens"] == 1.0  # preemption and recompute included
 
 
-def test_preemption_by_swap_recomputes_nothing(tmp_path):
-    """6 requests of 24 tokens (2 blocks each at the end) in 128 KV slots (8 blocks): both modes
-    preempt; swap moves blocks to host memory and back and computes no token twice."""
-    result = throughput(tmp_path, "--section", "preemption", "--num-requests", "6", "--kv-budget-seqs", "1")
-    recompute, swap = result["rows"]
-    assert [recompute["name"], swap["name"]] == ["recompute, 128 KV slots", "swap, 128 KV slots"]
+def test_preemption_by_swap_recomputes_nothing_and_the_host_tier_serves_evicted_prefixes(tmp_path):
+    """6 requests of 32 + 12 prompt tokens (one of 3 shared 32-token prefixes first) and 12 output
+    tokens in 128 KV slots (8 blocks): every mode preempts; swap moves blocks to host memory and
+    back and computes no token twice; the host tier serves prefix blocks the device evicted."""
+    result = throughput(tmp_path, "--section", "preemption", "--num-requests", "6", "--kv-budget-seqs", "1",
+                        "--prefix-groups", "3", "--prefix-len", "32")
+    recompute, swap, tier = result["rows"]
+    assert [r["name"] for r in result["rows"]] == ["recompute, 128 KV slots", "swap, 128 KV slots",
+                                                   "swap + host tier, 128 KV slots"]
     assert recompute["num_preemptions"] > 0 and swap["num_preemptions"] > 0
     assert recompute["swap_mib"] == 0.0 and swap["recomputed"] == swap["swap_fallbacks"] == 0 < swap["swap_mib"]
-    assert swap["same_tokens"] == 1.0
+    assert swap["host_hits"] == swap["tier_mib"] == 0 and tier["host_hits"] > 0 and tier["tier_mib"] > 0
+    assert tier["host_hits"] % 16 == 0  # whole blocks
+    assert swap["same_tokens"] == tier["same_tokens"] == 1.0
 
 
 def test_prefix_caching_computes_the_shared_prompt_once(tmp_path):
