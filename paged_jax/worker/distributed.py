@@ -131,7 +131,14 @@ class LivenessChannel:
             self.leaving = True
 
     def close(self) -> None:
+        """The peers hear of it now. A socket whose reader thread is blocked in `recv` stays open
+        through `close` (no FIN goes out), so each connection is shut down first."""
+        self.leaving = True  # this process's own readers now see the connections end: expected
         for conn in self.conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:  # the peer closed it already
+                pass
             conn.close()
 
 
@@ -156,11 +163,17 @@ def initialize(coordinator: str, num_processes: int, process_id: int, *,
 _channel: LivenessChannel | None = None  # this process's, once initialize has run (one per process, as jax's)
 
 
-def fail_peers() -> None:
-    """Before exiting with an error that is no uncaught exception (`sys.exit(2)` after a bad input):
-    the peers stop now, instead of waiting in jax's shutdown barrier until its timeout."""
-    if _channel is not None:
-        _channel.close()
+def exit_after_error(status: int) -> NoReturn:
+    """Exit with `status` after an error that is no uncaught exception (2 after a bad input). One
+    process: `sys.exit`. In a job the peers stop now (their liveness connections to this process
+    end), instead of waiting in jax's shutdown barrier until its timeout, and this process leaves
+    without that barrier too: its peers never reach it, and jax would abort this process there."""
+    if _channel is None:
+        sys.exit(status)
+    _channel.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def add_cli_flags(ap) -> None:

@@ -43,7 +43,7 @@ PROMPTS = [*worker.PROMPTS, "class Stack:\n"]
 class Job:
     """Both processes of one server job, each writing stdout and stderr to its own log."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, extra_flags=((), ())):
         self.url = f"http://127.0.0.1:{free_port()}"
         coordinator = f"127.0.0.1:{free_port()}"
         env = {k: v for k, v in os.environ.items() if k != "PAGED_JAX_API_KEY"}
@@ -54,7 +54,7 @@ class Job:
             [sys.executable, "-m", "paged_jax.serve", "--port", self.url.rpartition(":")[2], "--coordinator",
              coordinator, "--num-processes", "2", "--process-id", str(i), "--tensor-parallel-size", "2",
              "--distributed-timeout", "30", "--warmup-prompt-len", "0", "--no-compilation-cache",
-             "--uvicorn-log-level", "warning", *ENGINE_FLAGS],
+             "--uvicorn-log-level", "warning", *ENGINE_FLAGS, *extra_flags[i]],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT) for i, log in enumerate(self.logs)]
 
     def output(self, i: int) -> str:
@@ -135,6 +135,19 @@ def test_a_follower_whose_process_0_is_killed_stops_with_one_line(job):
     assert re.search(r"^paged-jax: error: process 1: process 0 of 2 (closed the step channel without a stop|"
                      r"stopped without shutting down) \(it crashed, was killed or raised\); stopping$",
                      job.output(1), re.MULTILINE), job.outputs()
+
+
+def test_a_bad_engine_flag_on_one_process_is_one_line_and_exit_2_and_its_peer_stops(tmp_path):
+    job = Job(tmp_path, extra_flags=((), ("--kv-cache-dtype", "int4")))
+    try:
+        assert job.wait_exits() == [distributed.EXIT_PEER_LOST, 2], job.outputs()
+        errors = [line for line in job.output(1).splitlines() if "error" in line.lower()]
+        assert errors == ["paged-jax-serve: error: kv_cache_dtype 'int4' is not supported; supported: "
+                          "['auto', 'int8', 'fp8_e4m3']"], job.outputs()
+        assert ("paged-jax: error: process 0: process 1 of 2 stopped without shutting down (it crashed, was "
+                "killed or raised); stopping") in job.output(0), job.outputs()
+    finally:
+        job.close()
 
 
 @pytest.mark.parametrize("argv, message", [

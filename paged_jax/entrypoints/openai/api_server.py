@@ -230,8 +230,7 @@ def embedded_model() -> Path:
 def fail(message: str):
     """One line on stderr and exit status 2; the other processes of a job stop too, not at a timeout."""
     print(f"paged-jax-serve: error: {message}", file=sys.stderr)
-    distributed.fail_peers()
-    sys.exit(2)
+    distributed.exit_after_error(2)
 
 
 def main(argv=None) -> None:
