@@ -63,8 +63,7 @@ def compile_timer():
 def fail(message: str):
     """One line on stderr and exit status 2 (argparse's for bad usage): no traceback for a bad input."""
     print(f"generate.py: error: {message}", file=sys.stderr)
-    distributed.fail_peers()
-    sys.exit(2)
+    distributed.exit_after_error(2)
 
 
 def load(args):

@@ -4,7 +4,9 @@ The thread owns the engine: nothing else touches it. Callers on an asyncio loop 
 aborts through a queue; the thread applies them between steps, runs `step()` while any request is
 unfinished, and hands each request's outputs (`RequestOutputKind.DELTA`: only what is new) to its
 caller's asyncio queue. It sleeps on an event while idle, so an idle server costs nothing. A step
-runs on the thread, not the event loop: HTTP handlers never wait behind the device.
+runs on the thread, not the event loop: HTTP handlers never wait behind the device. In a server of
+several processes, the thread also sends each step's applied commands to the other processes before
+the step (paged_jax.entrypoints.step_broadcast), which replay them.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.outputs import RequestOutput
 from paged_jax.engine.sampling_params import RequestOutputKind, SamplingParams
+from paged_jax.entrypoints.step_broadcast import StepSender
 
 
 class EngineDeadError(RuntimeError):
@@ -33,11 +36,14 @@ class _Sink:
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine, *, on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None):
+    def __init__(self, engine: LLMEngine, *, on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
+                 followers: StepSender | None = None):
         """`on_step(engine, outputs)` runs on the engine thread after every step (metrics read the
-        engine there, where its state is consistent)."""
+        engine there, where its state is consistent). `followers`: the other processes of a
+        multi-process server, told of every step before it runs and stopped at `shutdown`."""
         self.engine = engine
         self.on_step = on_step
+        self.followers = followers
         self.dead: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -74,6 +80,8 @@ class AsyncLLM:
         self._stop = True
         self._wake.set()
         self._thread.join()
+        if self.followers is not None:  # after the thread's last step: no step can follow the stop
+            self.followers.stop()
 
     def _send(self, command) -> None:
         self._commands.put(command)
@@ -85,8 +93,10 @@ class AsyncLLM:
         try:
             while not self._stop:
                 self._wake.clear()  # before draining: a command sent after the drain sets it again
-                changed = self._apply_commands()
+                changed, applied = self._apply_commands()
                 if changed or self.engine.has_unfinished_requests():
+                    if self.followers is not None:
+                        self.followers.send_step(applied)
                     self._deliver(self.engine.step())
                 else:
                     self._wake.wait()
@@ -97,18 +107,21 @@ class AsyncLLM:
             self._sinks.clear()
             raise
 
-    def _apply_commands(self) -> bool:
-        changed = False
+    def _apply_commands(self) -> tuple[bool, list[tuple]]:
+        """-> (whether any command came, the ones the engine took, in order). Only those are
+        replayed by followers: an add the engine refused changed nothing to replay."""
+        changed, applied = False, []
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return changed
+                return changed, applied
             changed = True
             if command[0] == "abort":
                 # A request aborted before the thread saw it added was never added (nothing to free).
                 if self._sinks.pop(command[1], None) is not None:
                     self.engine.abort_request(command[1])
+                    applied.append(command)
                 continue
             _, request_id, prompt, params, cache_salt, sink = command
             try:
@@ -117,6 +130,7 @@ class AsyncLLM:
                 sink.put(e)
                 continue
             self._sinks[request_id] = sink
+            applied.append(command[:5])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -21,6 +21,7 @@ import struct
 import sys
 import threading
 import time
+from typing import NoReturn
 
 import jax
 import numpy as np
@@ -47,6 +48,27 @@ def check_process_args(coordinator: str, num_processes: int, process_id: int) ->
     return parse_coordinator(coordinator)
 
 
+def stop_on_lost_peer(process_id: int, message: str) -> NoReturn:
+    """End this process with one line saying why, now. The main thread may be blocked inside a
+    collective that can never finish: no exception can reach it."""
+    print(f"paged-jax: error: process {process_id}: {message}; stopping", file=sys.stderr, flush=True)
+    os._exit(EXIT_PEER_LOST)
+
+
+def connect_to_process_0(host: str, port: int, process_id: int, timeout_s: float, what: str) -> socket.socket:
+    """A connection to a port process 0 listens on, retried until `timeout_s`: a refused first try
+    (a host whose network is still coming up) is not yet a failure."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return socket.create_connection((host, port), timeout=timeout_s)
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"process {process_id} could not reach process 0's {what} at "
+                                   f"{host}:{port} within {timeout_s} s: {e}") from e
+            time.sleep(0.1)
+
+
 class LivenessChannel:
     """Process 0 accepts one connection from every other process; each side watches the other."""
 
@@ -66,20 +88,9 @@ class LivenessChannel:
         if process_id == 0:
             threading.Thread(target=self._accept, daemon=True, name="paged-jax-liveness").start()
         else:
-            conn = self._connect(host, port)
+            conn = connect_to_process_0(host, port, process_id, timeout_s, "liveness channel")
             conn.sendall(struct.pack("!i", process_id))
             self._watch(conn, 0)
-
-    def _connect(self, host: str, port: int) -> socket.socket:
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                return socket.create_connection((host, port), timeout=self.timeout_s)
-            except OSError as e:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"process {self.process_id} could not reach process 0's liveness "
-                                       f"channel at {host}:{port} within {self.timeout_s} s: {e}") from e
-                time.sleep(0.1)
 
     def _accept(self) -> None:
         self.server.settimeout(self.timeout_s)
@@ -108,10 +119,7 @@ class LivenessChannel:
                             "(it crashed, was killed or raised)")
 
     def _peer_lost(self, message: str) -> None:
-        # The main thread may be blocked inside a collective that can never finish: no exception can
-        # reach it, so this process ends here, saying why.
-        print(f"paged-jax: error: process {self.process_id}: {message}; stopping", file=sys.stderr, flush=True)
-        os._exit(EXIT_PEER_LOST)
+        stop_on_lost_peer(self.process_id, message)
 
     def on_exit(self) -> None:
         """A normal exit keeps the connections open: jax's shutdown barrier, which runs after this,
@@ -123,7 +131,14 @@ class LivenessChannel:
             self.leaving = True
 
     def close(self) -> None:
+        """The peers hear of it now. A socket whose reader thread is blocked in `recv` stays open
+        through `close` (no FIN goes out), so each connection is shut down first."""
+        self.leaving = True  # this process's own readers now see the connections end: expected
         for conn in self.conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:  # the peer closed it already
+                pass
             conn.close()
 
 
@@ -148,11 +163,17 @@ def initialize(coordinator: str, num_processes: int, process_id: int, *,
 _channel: LivenessChannel | None = None  # this process's, once initialize has run (one per process, as jax's)
 
 
-def fail_peers() -> None:
-    """Before exiting with an error that is no uncaught exception (`sys.exit(2)` after a bad input):
-    the peers stop now, instead of waiting in jax's shutdown barrier until its timeout."""
-    if _channel is not None:
-        _channel.close()
+def exit_after_error(status: int) -> NoReturn:
+    """Exit with `status` after an error that is no uncaught exception (2 after a bad input). One
+    process: `sys.exit`. In a job the peers stop now (their liveness connections to this process
+    end), instead of waiting in jax's shutdown barrier until its timeout, and this process leaves
+    without that barrier too: its peers never reach it, and jax would abort this process there."""
+    if _channel is None:
+        sys.exit(status)
+    _channel.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def add_cli_flags(ap) -> None:

@@ -1,6 +1,11 @@
 """The OpenAI-compatible HTTP server (vLLM's `vllm serve`): FastAPI routes over an `AsyncLLM`.
 
     python -m paged_jax.serve [--model DIR|FILE.gguf] [--host 127.0.0.1] [--port 8000] [engine flags]
+    python -m paged_jax.serve --coordinator HOST0:PORT --num-processes N --process-id I [same flags]
+
+With several processes (jax.distributed, tensor parallelism over the devices of all of them), every
+process builds and warms up the same engine; process 0 serves HTTP and the others follow its steps
+(paged_jax.entrypoints.step_broadcast).
 """
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import hmac
 import importlib
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -23,6 +29,8 @@ from paged_jax.entrypoints.async_llm import AsyncLLM
 from paged_jax.entrypoints.openai.metrics import Metrics
 from paged_jax.entrypoints.openai.protocol import APIError, field
 from paged_jax.entrypoints.openai.serving import Serving
+from paged_jax.entrypoints.step_broadcast import StepReceiver, StepSender, follow, summary
+from paged_jax.worker import distributed
 
 MAX_REQUEST_BYTES = 4 << 20  # a body past this is refused, and never held in memory
 DRAIN_BYTES = 64 << 20
@@ -211,6 +219,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="compile, before serving, what up to max-num-seqs prompts of this length need "
                          "(LLMEngine.warm_up; 0: compile on first use)")
     ap.add_argument("--uvicorn-log-level", default="info")
+    distributed.add_cli_flags(ap)
     return ap.parse_args(argv)
 
 
@@ -218,22 +227,40 @@ def embedded_model() -> Path:
     return Path(importlib.import_module("models").__file__).parent / "embedded"
 
 
+def fail(message: str):
+    """One line on stderr and exit status 2; the other processes of a job stop too, not at a timeout."""
+    print(f"paged-jax-serve: error: {message}", file=sys.stderr)
+    distributed.exit_after_error(2)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    import uvicorn
+    model = args.model or str(embedded_model())
+    llm = _build(args, model)
+    if args.process_id == 0:
+        _serve(args, llm, model)
+    else:
+        _follow(args, llm.engine)
 
+
+def _build(args, model: str):
+    """The engine, the same on every process of a job (each one's steps are a program across all)."""
     from paged_jax import LLM, compilation_cache
 
+    try:
+        distributed.initialize_from_args(args)  # before anything touches a device
+    except ValueError as e:
+        fail(str(e))
     if not args.no_compilation_cache:
         compilation_cache.enable(args.compilation_cache_dir)
-    model = args.model or str(embedded_model())
     engine_args = {k: getattr(args, k) for k in ("block_size", "num_blocks", "max_num_seqs", "max_model_len",
                                                  "max_num_batched_tokens", "num_decode_steps",
                                                  "gpu_memory_utilization", "seed") if getattr(args, k) is not None}
     try:
         llm = LLM(model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
                   enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
-                  preemption_mode=args.preemption_mode, swap_space=args.swap_space, **engine_args)
+                  preemption_mode=args.preemption_mode, swap_space=args.swap_space,
+                  log_stats=args.process_id == 0, **engine_args)
         tokenizer = llm.get_tokenizer()
         if args.chat_template:
             if tokenizer is None:
@@ -245,15 +272,40 @@ def main(argv=None) -> None:
             print(f"paged-jax-serve: warm-up compiled {done['programs']} programs ({done['cached']} read from "
                   f"the compilation cache) in {done['seconds']:.1f} s", flush=True)
     except (OSError, ValueError) as e:
-        print(f"paged-jax-serve: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail(str(e))
+    return llm
+
+
+def _follow(args, engine) -> None:
+    """A follower: no HTTP, process 0's steps replayed until it stops serving."""
+    host, _ = distributed.parse_coordinator(args.coordinator)
+    receiver = StepReceiver(host, args.num_processes, args.process_id, args.distributed_timeout)
+    print(f"paged-jax-serve: process {args.process_id} of {args.num_processes} follows process 0's steps", flush=True)
+    steps = follow(engine, receiver)
+    print(f"paged-jax-serve: process {args.process_id} stopped with process 0 after {summary(engine, steps)}",
+          flush=True)
+
+
+def _serve(args, llm, model: str) -> None:
+    import uvicorn
+
+    followers = StepSender(args.num_processes, args.distributed_timeout) if args.num_processes > 1 else None
     name = args.served_model_name or (args.model or "embedded")
     metrics = Metrics(name)
-    async_llm = AsyncLLM(llm.engine, on_step=metrics.on_step)
+    async_llm = AsyncLLM(llm.engine, on_step=metrics.on_step, followers=followers)
     app = build_app(async_llm, model_name=name, metrics=metrics, api_key=args.api_key,
                     max_request_bytes=args.max_request_bytes, model_root=model)
     print(f"paged-jax-serve: serving {name!r} on http://{args.host}:{args.port}", flush=True)
+    # uvicorn stops gracefully on SIGINT or SIGTERM and then raises the signal again, under the
+    # handlers it found: ignored, so that the shutdown below runs (a job's followers need its stop
+    # message) and the server exits 0.
+    found = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     finally:
+        for sig, handler in found.items():
+            signal.signal(sig, handler)
         async_llm.shutdown()
+        if followers is not None:
+            print(f"paged-jax-serve: process 0 stopped its followers after {summary(llm.engine, followers.steps)}",
+                  flush=True)
