@@ -388,7 +388,9 @@ def test_an_error_inside_a_stream_is_an_error_chunk_then_done():
 
 @pytest.mark.parametrize("flags, named", [(["--kv-cache-dtype", "int4"], "int4"),
                                           (["--preemption-mode", "offload"], "offload"),
-                                          (["--swap-space", "-1"], "swap_space")])
+                                          (["--swap-space", "-1"], "swap_space"),
+                                          (["--enable-host-prefix-cache", "--no-enable-prefix-caching"],
+                                           "enable_prefix_caching")])
 def test_engine_flags_reach_the_engine_and_a_bad_one_is_one_line_and_exit_2(flags, named, capsys, monkeypatch):
     import uvicorn
 
