@@ -132,6 +132,7 @@ class ModelRunner:
         if not ok:
             raise RuntimeError("internal error: the device pool refused a fork the host planned")
         return delta
+
     def _start_copy_out(self, plan: Plan):
         """Dispatch the gather of the plan's device -> host copies (swapped victims, blocks the host
         prefix cache keeps), each device block once, before this step's allocations can reuse them;
