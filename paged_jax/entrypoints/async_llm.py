@@ -91,8 +91,10 @@ class AsyncLLM:
 
     def _run(self) -> None:
         try:
-            while not self._stop:
+            while True:
                 self._wake.clear()  # before draining: a command sent after the drain sets it again
+                if self._stop:  # read after the clear: a shutdown's wake-up cannot be cleared unseen
+                    return
                 changed, applied = self._apply_commands()
                 if changed or self.engine.has_unfinished_requests():
                     if self.followers is not None:

@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -237,6 +238,23 @@ def test_each_step_is_sent_first_with_the_commands_the_engine_took_and_shutdown_
     sent = [c for entry in log if entry[0] == "send" for c in entry[1]]
     assert sorted(c[1] for c in sent if c[0] == "add") == ["a", "b", "held"]  # never the refused one
     assert [c for c in sent if c[0] == "abort"] == [("abort", "held")]
+
+
+def test_a_shutdown_that_lands_just_before_the_engine_thread_clears_its_wake_up_still_stops_it():
+    llm = AsyncLLM(Recorder(), followers=Recorder())
+
+    class ShutdownBeforeClear(threading.Event):
+        """The thread's next clear() first sees shutdown()'s two writes, as a preempted thread can."""
+
+        def clear(self):
+            llm._stop = True
+            self.set()
+            super().clear()
+
+    idle_wake, llm._wake = llm._wake, ShutdownBeforeClear()
+    idle_wake.set()  # the idle thread loops once more, into the hooked clear
+    llm._thread.join(timeout=10)
+    assert not llm._thread.is_alive(), "the engine thread cleared the shutdown's wake-up and sleeps forever"
 
 
 def test_a_command_crosses_the_channels_json_unchanged():
