@@ -75,8 +75,12 @@ class Server:
 
     def stop(self):
         self.proc.terminate()
-        self.proc.wait(30)
-        self.log.close()
+        try:
+            assert self.proc.wait(30) == 0, self.output()  # SIGTERM is a clean shutdown
+        finally:
+            self.proc.kill()
+            self.proc.wait()
+            self.log.close()
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,10 @@ from pallas_kernels import cubin, gpu_variants, targets, triton_ir
 from pallas_kernels.paged_attention import DECODE_TILES, decode_tiles
 from pallas_kernels.ragged_paged_attention import ragged_tiles
 
+# The module fixture compiles every build (about 8 minutes on a loaded 2-core machine when the stats
+# are not cached yet); that setup counts against its first test's limit.
+pytestmark = pytest.mark.timeout(1800)
+
 BUILDS = gpu_variants.engine_builds()
 NAMES = {
     "decode": ["paged_attention_decode"],
