@@ -87,6 +87,11 @@ class KVCache:
         return self.k_pages.shape[1] // self.num_layers
 
     @property
+    def block_axis(self) -> int:
+        """The axis that indexes (layer, block) pairs, layer-major, in every leaf of this layout."""
+        return 0 if self.layout == "tpu" else 1
+
+    @property
     def block_size(self) -> int:
         return self.kv_pages.shape[1] if self.layout == "tpu" else self.k_pages.shape[2]
 

@@ -4,8 +4,8 @@ CacheEngine.swap_in / swap_out): the host copy of the KV cache and the two batch
 Each step moves its blocks in one gather (device -> host) and one scatter (host -> device), never a
 loop of single-block copies. Every leaf of the KV-cache pytree travels, whatever the cache holds
 (K and V pages, or one interleaved array, and any array kept beside them, such as quantization
-scales): a leaf's block axis is the one of size num_layers x num_blocks, layer-major, which is how
-every cache layout stacks its layers.
+scales) along the cache's block axis (`KVCache.block_axis`), which stacks num_layers x num_blocks
+blocks layer-major in every layout.
 
 The device -> host copy overlaps with the step's compute: the gather is dispatched before the model
 call, its transfer started at once (`copy_to_host_async`), and it is read only after the model call
@@ -20,14 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def block_axis(leaf, num_stacked: int) -> int:
-    """The axis of a cache leaf that indexes (layer, block) pairs: the first of size `num_stacked`."""
-    for axis, size in enumerate(leaf.shape):
-        if size == num_stacked:
-            return axis
-    raise ValueError(f"a KV cache leaf of shape {tuple(leaf.shape)} has no block axis of size {num_stacked}")
-
-
 def _stacked_ids(block_ids, num_layers: int, num_blocks: int):
     """i32[n] block ids -> i32[num_layers * n], the same blocks in every layer, layer-major."""
     return (block_ids[None, :] + num_blocks * jnp.arange(num_layers, dtype=jnp.int32)[:, None]).reshape(-1)
@@ -37,8 +29,7 @@ def _stacked_ids(block_ids, num_layers: int, num_blocks: int):
 def gather_blocks(cache, block_ids):
     """Blocks `block_ids` (i32[n]) of every leaf -> the same pytree with each block axis num_layers x n."""
     idx = _stacked_ids(block_ids, cache.num_layers, cache.num_blocks)
-    total = cache.num_layers * cache.num_blocks
-    return jax.tree.map(lambda leaf: jnp.take(leaf, idx, axis=block_axis(leaf, total)), cache)
+    return jax.tree.map(lambda leaf: jnp.take(leaf, idx, axis=cache.block_axis), cache)
 
 
 def scatter_blocks(cache, block_ids, blocks):
@@ -48,7 +39,7 @@ def scatter_blocks(cache, block_ids, blocks):
     idx = jnp.where(jnp.repeat(block_ids[None, :] >= 0, cache.num_layers, axis=0).reshape(-1), idx, total)
 
     def put(leaf, new):
-        axis = block_axis(leaf, total)
+        axis = cache.block_axis
         return leaf.at[(slice(None),) * axis + (idx,)].set(new.astype(leaf.dtype), mode="drop")
 
     return jax.tree.map(put, cache, blocks)
@@ -60,12 +51,11 @@ class HostKVCache:
     swap_space costs address space, not memory)."""
 
     def __init__(self, cache, num_blocks: int):
-        self.num_layers, self.num_blocks = cache.num_layers, int(num_blocks)
-        total = cache.num_layers * cache.num_blocks
-        self.axes = jax.tree.map(lambda leaf: block_axis(leaf, total), cache)
+        self.num_layers, self.num_blocks, self.axis = cache.num_layers, int(num_blocks), cache.block_axis
+        axis = self.axis
         self.storage = jax.tree.map(
-            lambda leaf, axis: np.zeros(leaf.shape[:axis] + (self.num_layers * self.num_blocks,) + leaf.shape[axis + 1:],
-                                        leaf.dtype), cache, self.axes)
+            lambda leaf: np.zeros(leaf.shape[:axis] + (self.num_layers * self.num_blocks,) + leaf.shape[axis + 1:],
+                                  leaf.dtype), cache)
         device = jax.tree.leaves(cache)[0].sharding
         kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
         self.host_sharding = (device.with_memory_kind("pinned_host")
@@ -96,18 +86,19 @@ class HostKVCache:
         positions = np.arange(len(host_ids)) if positions is None else np.asarray(positions, np.int64)
         moved = 0
 
-        def store(host, leaf, axis):
+        def store(host, leaf):
             nonlocal moved
+            axis = self.axis
             got = np.asarray(leaf)
             got = got.reshape(got.shape[:axis] + (self.num_layers, -1) + got.shape[axis + 1:])
             got = np.take(got, positions, axis=axis + 1).reshape(got.shape[:axis] + (-1,) + got.shape[axis + 2:])
             host[(slice(None),) * axis + (idx,)] = got
             moved += got.nbytes
 
-        jax.tree.map(store, self.storage, blocks, self.axes)
+        jax.tree.map(store, self.storage, blocks)
         return moved
 
     def read(self, host_ids):
         """Host blocks `host_ids` of every leaf, as `gather_blocks` lays them out (numpy)."""
         idx = self._index(host_ids)
-        return jax.tree.map(lambda host, axis: np.take(host, idx, axis=axis), self.storage, self.axes)
+        return jax.tree.map(lambda host: np.take(host, idx, axis=self.axis), self.storage)

@@ -99,20 +99,21 @@ def test_host_pool_refuses_a_negative_size():
         HostBlockPool(-1)
 
 
-@pytest.mark.parametrize("layout", ["paged", "tpu"])
-def test_blocks_go_to_host_memory_and_back_in_every_layer(layout):
+# 16 KV heads: the head axis is as long as the 2 x 8 stacked blocks, and must not be taken for them.
+@pytest.mark.parametrize("layout, kv_heads", [("paged", 2), ("tpu", 2), ("paged", 16)])
+def test_blocks_go_to_host_memory_and_back_in_every_layer(layout, kv_heads):
     """Blocks 2 and 5 of a 2-layer cache out to host blocks 1 and 0, back into device blocks 6 and
     3: every leaf, every layer, nothing else touched. One batched copy each way, padding dropped."""
     rng = np.random.default_rng(0)
     cache = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype),
-                         KVCache.create(2, 8, 4, 2, 16, layout=layout))
+                         KVCache.create(2, 8, 4, kv_heads, 16, layout=layout))
     host = swap.HostKVCache(cache, 3)
-    assert swap.HostKVCache.block_bytes(cache) == 2 * 2 * 4 * 2 * 16 * 4  # K and V, 2 layers, f32
+    assert swap.HostKVCache.block_bytes(cache) == 2 * 2 * 4 * kv_heads * 16 * 4  # K and V, 2 layers, f32
     copying = host.start_copy_out(cache, np.array([2, 5, 0, 0, 0, 0, 0, 0], np.int32))
     assert host.finish_copy_out(copying, [1, 0]) == 2 * swap.HostKVCache.block_bytes(cache)
     back = swap.scatter_blocks(cache, jnp.array([3, 6, -1, -1], jnp.int32), host.read([0, 1, 2, 2]))
     for before, after in zip(jax.tree.leaves(cache), jax.tree.leaves(back)):
-        axis = swap.block_axis(before, 2 * 8)
+        axis = cache.block_axis
 
         def block(x, ids):  # [..., layer, block, ...]
             x = np.asarray(x)
