@@ -75,6 +75,19 @@ def test_logits_and_greedy_tokens_match_one_device(tp):
             == [o.outputs[0].token_ids for o in single.generate(PROMPTS, greedy)])
 
 
+def test_an_int8_cache_shards_its_scales_with_its_pages_and_gives_one_devices_tokens():
+    """A scale belongs to one (token, KV head): each shard quantizes and reads its own heads' pages."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engines = [LLM(random_model(tiny_config()), block_size=8, num_blocks=32, max_num_seqs=4, log_stats=False,
+                   kv_cache_dtype="int8", tensor_parallel_size=tp) for tp in (1, 2)]
+    cache = engines[1].engine.state.cache
+    assert cache.k_pages.dtype == jnp.int8 and spec_of(cache.k_pages) == P("model")
+    assert spec_of(cache.k_scales) == P("model") and spec_of(cache.v_scales) == P("model")
+    assert cache.k_scales.addressable_shards[0].data.shape == (1, 2 * 32, 8)  # one KV head each
+    single, split = ([o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)] for llm in engines)
+    assert split == single
+
+
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 def test_qwen_biases_and_qk_norms_shard(model_type):
     """tp=4 over 2 KV heads: Qwen2's k/v biases are replicated with their heads, Qwen3's norms whole."""
