@@ -39,8 +39,7 @@ def scatter_blocks(cache, block_ids, blocks):
     idx = jnp.where(jnp.repeat(block_ids[None, :] >= 0, cache.num_layers, axis=0).reshape(-1), idx, total)
 
     def put(leaf, new):
-        axis = cache.block_axis
-        return leaf.at[(slice(None),) * axis + (idx,)].set(new.astype(leaf.dtype), mode="drop")
+        return leaf.at[(slice(None),) * cache.block_axis + (idx,)].set(new.astype(leaf.dtype), mode="drop")
 
     return jax.tree.map(put, cache, blocks)
 
@@ -52,10 +51,9 @@ class HostKVCache:
 
     def __init__(self, cache, num_blocks: int):
         self.num_layers, self.num_blocks, self.axis = cache.num_layers, int(num_blocks), cache.block_axis
-        axis = self.axis
         self.storage = jax.tree.map(
-            lambda leaf: np.zeros(leaf.shape[:axis] + (self.num_layers * self.num_blocks,) + leaf.shape[axis + 1:],
-                                  leaf.dtype), cache)
+            lambda leaf: np.zeros(leaf.shape[:self.axis] + (self.num_layers * self.num_blocks,)
+                                  + leaf.shape[self.axis + 1:], leaf.dtype), cache)
         device = jax.tree.leaves(cache)[0].sharding
         kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
         self.host_sharding = (device.with_memory_kind("pinned_host")
