@@ -1,7 +1,8 @@
 """One process of tests/paged_jax/test_distributed.py's jobs: `python -m tests.paged_jax.distributed_worker
-PORT PROCESS_ID NUM_PROCESSES`. Each process has 2 CPU devices, loads the embedded model (Orbax) and
-prints one JSON line per result on stdout: greedy tokens at tensor_parallel_size 4, the bad sizes'
-errors; then process 1 dies, and process 0's next generate must be stopped by the liveness channel."""
+PORT PROCESS_ID NUM_PROCESSES RECORDS`. Each process has 2 CPU devices, loads the embedded model (Orbax) and
+appends one JSON line per result to the file RECORDS: greedy tokens at tensor_parallel_size 4, the bad
+sizes' errors; then process 1 dies, and process 0's next generate must be stopped by the liveness
+channel. Not stdout: gloo's C++ writes its own lines there, and one can run into a record's line."""
 import json
 import os
 import sys
@@ -33,11 +34,11 @@ def tokens(llm):
     return [o.outputs[0].token_ids for o in completions(llm)]
 
 
-def emit(**record):
-    print(json.dumps(record), flush=True)
+def main(port, process_id, num_processes, records_path):
+    def emit(**record):
+        with open(records_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
 
-
-def main(port, process_id, num_processes):
     jax.config.update("jax_num_cpu_devices", 2)
     distributed.initialize(f"127.0.0.1:{port}", num_processes, process_id, timeout_s=TIMEOUT_S)
     emit(devices=jax.device_count(), local_devices=jax.local_device_count())
@@ -57,4 +58,4 @@ def main(port, process_id, num_processes):
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -41,12 +41,15 @@ def run_job(commands: list[list[str]], what: str) -> list[tuple[int, str, str]]:
     return results
 
 
-def run_worker() -> list[tuple[int, list[dict], str]]:
+def run_worker(tmp: Path) -> list[tuple[int, list[dict], str]]:
     """Both worker processes -> [(exit status, JSON records, stderr)]."""
     port = str(free_port())
-    commands = [[sys.executable, "-m", "tests.paged_jax.distributed_worker", port, str(i), "2"] for i in range(2)]
-    return [(status, [json.loads(line) for line in out.splitlines() if line.startswith("{")], err)
-            for status, out, err in run_job(commands, "the worker job")]
+    records = [tmp / f"records-{i}.jsonl" for i in range(2)]
+    commands = [[sys.executable, "-m", "tests.paged_jax.distributed_worker", port, str(i), "2", str(records[i])]
+                for i in range(2)]
+    results = run_job(commands, "the worker job")
+    return [(status, [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else [], err)
+            for (status, _, err), path in zip(results, records)]
 
 
 def ours(stdout: str) -> str:
@@ -73,10 +76,10 @@ def test_generate_py_on_two_processes_prints_the_single_process_text_once(one_pr
     assert ours(out1) == ""  # only process 0 prints
 
 
-def test_two_processes_of_two_devices_give_the_single_process_tokens_at_tp_4_then_one_dies(one_process):
+def test_two_processes_of_two_devices_give_the_single_process_tokens_at_tp_4_then_one_dies(one_process, tmp_path):
     want = [o.outputs[0].token_ids for o in one_process]
     assert [len(t) for t in want] == [worker.MAX_TOKENS] * 2
-    results = run_worker()
+    results = run_worker(tmp_path)
     common = [
         {"devices": 4, "local_devices": 2},
         {"tp": 4, "mesh_processes": [0, 0, 1, 1], "tokens": want},
