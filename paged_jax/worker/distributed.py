@@ -48,10 +48,17 @@ def check_process_args(coordinator: str, num_processes: int, process_id: int) ->
     return parse_coordinator(coordinator)
 
 
+_stopping = threading.Lock()
+
+
 def stop_on_lost_peer(process_id: int, message: str) -> NoReturn:
     """End this process with one line saying why, now. The main thread may be blocked inside a
-    collective that can never finish: no exception can reach it."""
-    print(f"paged-jax: error: process {process_id}: {message}; stopping", file=sys.stderr, flush=True)
+    collective that can never finish: no exception can reach it. Several channels may notice the
+    same loss at once, each on its own thread: the first one says it, the others wait for the exit
+    (unlocked, their lines ran into each other)."""
+    _stopping.acquire()
+    sys.stderr.write(f"paged-jax: error: process {process_id}: {message}; stopping\n")
+    sys.stderr.flush()
     os._exit(EXIT_PEER_LOST)
 
 

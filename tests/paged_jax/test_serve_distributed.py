@@ -132,7 +132,8 @@ def test_a_follower_whose_process_0_is_killed_stops_with_one_line(job):
     job.wait_healthy()
     job.procs[0].kill()
     assert job.wait_exits() == [-signal.SIGKILL, distributed.EXIT_PEER_LOST], job.outputs()
-    # The step channel or the liveness channel, whichever notices first, names process 0.
+    # The step channel or the liveness channel, whichever notices first, names process 0, once.
+    assert job.output(1).count("paged-jax: error:") == 1, job.outputs()
     assert re.search(r"^paged-jax: error: process 1: process 0 of 2 (closed the step channel without a stop|"
                      r"stopped without shutting down) \(it crashed, was killed or raised\); stopping$",
                      job.output(1), re.MULTILINE), job.outputs()
