@@ -15,6 +15,12 @@ sort (XLA's CPU top_k is a full sort: 17 ms for 65,536 blocks). The order is vLL
   - a sequence's blocks are freed tail first, so the end of a prefix chain is evicted before its
     start;
   - a prefix hit on a free cached block takes it out of the queue (vLLM's `touch`).
+
+The engine keeps its pool on the host, made with `init(..., host=True)`: numpy arrays, updated in
+place (as a pool donated under jit is; use the returned pool only), owned by the scheduler, which
+sends the device only the block tables and slots of each call's rows. The same functions run
+under `jax.jit` on a jnp pool (`paged_jax.core.arrays` holds the few places where the two differ).
+Validation and `check_invariants` live in `block_pool_checks`.
 """
 from __future__ import annotations
 
@@ -24,6 +30,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from paged_jax.core.arrays import at, cond, on_host, xp
+from paged_jax.core.block_pool_checks import (_check_index, _check_range, _check_shape, _concrete,
+                                              check_invariants, free_order)
 
 NULL_BLOCK = 0
 
@@ -55,21 +65,22 @@ class BlockPool:
         return self.max_blocks_per_seq * self.block_size
 
 
-def init(num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: int) -> BlockPool:
+def init(num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: int, *, host: bool = False) -> BlockPool:
+    """An empty pool: jnp arrays, or numpy ones with `host` (the scheduler's pool)."""
     for name, value, low in (("num_blocks", num_blocks, 2), ("block_size", block_size, 1),
                              ("max_seqs", max_seqs, 1), ("max_blocks_per_seq", max_blocks_per_seq, 1)):
         if not isinstance(value, (int, np.integer)) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    i32 = jnp.int32
+    i32, a = np.int32, np if host else jnp
     return BlockPool(
-        block_tables=jnp.zeros((max_seqs, max_blocks_per_seq), i32),
-        seq_lens=jnp.zeros((max_seqs,), i32),
-        ref_cnt=jnp.zeros((num_blocks,), i32),
-        cached=jnp.zeros((num_blocks,), bool),
-        version=jnp.zeros((num_blocks,), i32),
-        queue=jnp.arange(1, num_blocks + 1, dtype=i32) % num_blocks,  # 1..num_blocks-1, then unused
-        head=jnp.zeros((), i32),
-        num_free_blocks=jnp.asarray(num_blocks - 1, i32),
+        block_tables=a.zeros((max_seqs, max_blocks_per_seq), i32),
+        seq_lens=a.zeros((max_seqs,), i32),
+        ref_cnt=a.zeros((num_blocks,), i32),
+        cached=a.zeros((num_blocks,), bool),
+        version=a.zeros((num_blocks,), i32),
+        queue=a.arange(1, num_blocks + 1, dtype=i32) % num_blocks,  # 1..num_blocks-1, then unused
+        head=a.zeros((), i32),
+        num_free_blocks=a.asarray(num_blocks - 1, i32),
         num_blocks=int(num_blocks),
         block_size=int(block_size),
     )
@@ -80,25 +91,29 @@ def rows(pool: BlockPool, slots, width: int) -> BlockPool:
     table cut to its first `width` (static) entries: every function here works on it as on a pool of
     n slots, so a step costs its batch's rows and longest table, not the capacity. Per-block state
     is shared with `pool`; `put_rows` writes the rows back."""
+    a = xp(pool.block_tables)
+    slots = a.asarray(slots, np.int32)
     live = slots >= 0
-    safe = jnp.where(live, slots, 0)
-    tables = jnp.where(live[:, None], pool.block_tables[safe, :width], NULL_BLOCK)
-    return dataclasses.replace(pool, block_tables=tables, seq_lens=jnp.where(live, pool.seq_lens[safe], 0))
+    safe = a.where(live, slots, 0)
+    tables = a.where(live[:, None], pool.block_tables[safe, :width], NULL_BLOCK)
+    return dataclasses.replace(pool, block_tables=tables, seq_lens=a.where(live, pool.seq_lens[safe], 0))
 
 
 def put_rows(pool: BlockPool, view: BlockPool, slots) -> BlockPool:
     """`view` (from `rows(pool, slots, width)`) merged back into `pool`. A slot's entries past
     `width` must be unmapped (NULL_BLOCK) in `pool`, which holds when `width` covers its blocks."""
-    target = jnp.where(slots >= 0, slots, pool.max_seqs)  # padding rows: dropped
+    a = xp(pool.block_tables)
+    slots = a.asarray(slots, np.int32)
+    target = a.where(slots >= 0, slots, pool.max_seqs)  # padding rows: dropped
     width = view.max_blocks_per_seq
-    tables = pool.block_tables.at[target, :width].set(view.block_tables, mode="drop")
-    return dataclasses.replace(view, block_tables=tables, seq_lens=pool.seq_lens.at[target].set(view.seq_lens, mode="drop"))
+    tables = at(pool.block_tables, (target, slice(None, width))).set(view.block_tables)
+    return dataclasses.replace(view, block_tables=tables, seq_lens=at(pool.seq_lens, target).set(view.seq_lens))
 
 
 def uncache_all(pool: BlockPool) -> BlockPool:
     """No block holds a prefix-cache entry any more (vLLM's reset_prefix_cache); the free queue keeps
     its order."""
-    return dataclasses.replace(pool, cached=jnp.zeros_like(pool.cached))
+    return dataclasses.replace(pool, cached=xp(pool.cached).zeros_like(pool.cached))
 
 
 def _cdiv(n, d):
@@ -114,10 +129,17 @@ def usage(pool: BlockPool):
     return 1.0 - pool.num_free_blocks / (pool.num_blocks - 1)
 
 
-def free_order(pool: BlockPool) -> np.ndarray:
-    """Host-side: the free blocks in the order `allocate` hands them out (vLLM's free queue)."""
-    queue = np.asarray(pool.queue)
-    return queue[(int(pool.head) + np.arange(int(pool.num_free_blocks))) % pool.num_blocks]
+def _dispatch(impl, *static_argnums):
+    """`impl` as it is on a host pool, jitted on a device pool."""
+    jitted = jax.jit(impl, static_argnums=static_argnums)
+
+    def call(pool, *args):
+        return impl(pool, *args) if on_host(pool.ref_cnt) else jitted(pool, *args)
+    return call
+
+
+def _i32(pool, x):
+    return xp(pool.ref_cnt).asarray(x, np.int32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,35 +159,38 @@ def allocate(pool: BlockPool, new_lens, *, max_new_blocks: int | None = None):
         _check_shape("new_lens", lens, (pool.max_seqs,))
         _check_range("new_lens", lens, 0, pool.max_seq_len)
     k = pool.num_blocks if max_new_blocks is None else max(1, min(int(max_new_blocks), pool.num_blocks))
-    return _allocate(pool, jnp.asarray(new_lens, jnp.int32), k)
+    return _allocate(pool, _i32(pool, new_lens), k)
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _allocate(pool: BlockPool, new_lens, k: int):
-    new_lens = jnp.maximum(new_lens, pool.seq_lens)
+def _allocate_impl(pool: BlockPool, new_lens, k: int):
+    a = xp(pool.ref_cnt)
+    new_lens = a.maximum(new_lens, pool.seq_lens)
     old_nb = _cdiv(pool.seq_lens, pool.block_size)  # i32[max_seqs]
     new_nb = _cdiv(new_lens, pool.block_size)
     need = new_nb - old_nb
-    total = jnp.sum(need)
-    ok = (total <= pool.num_free_blocks) & (total <= k) & jnp.all(new_nb <= pool.max_blocks_per_seq)
+    total = a.sum(need)
+    ok = (total <= pool.num_free_blocks) & (total <= k) & a.all(new_nb <= pool.max_blocks_per_seq)
 
-    candidates = pool.queue[(pool.head + jnp.arange(k)) % pool.num_blocks]  # i32[k], hand-out order
-    first_rank = jnp.cumsum(need) - need  # i32[max_seqs]
-    pos = jnp.arange(pool.max_blocks_per_seq)[None, :]
+    candidates = pool.queue[(pool.head + a.arange(k)) % pool.num_blocks]  # i32[k], hand-out order
+    first_rank = a.cumsum(need) - need  # i32[max_seqs]
+    pos = a.arange(pool.max_blocks_per_seq)[None, :]
     fresh = ok & (pos >= old_nb[:, None]) & (pos < new_nb[:, None])  # bool[max_seqs, max_blocks_per_seq]
-    rank = jnp.clip(first_rank[:, None] + pos - old_nb[:, None], 0, k - 1)
-    taken = jnp.where(ok & (jnp.arange(k) < total), candidates, pool.num_blocks)  # else dropped
-    taken_n = jnp.where(ok, total, 0)
+    rank = a.clip(first_rank[:, None] + pos - old_nb[:, None], 0, k - 1)
+    taken = a.where(ok & (a.arange(k) < total), candidates, pool.num_blocks)  # else dropped
+    taken_n = a.where(ok, total, 0)
     return dataclasses.replace(
         pool,
-        block_tables=jnp.where(fresh, candidates[rank], pool.block_tables),
-        seq_lens=jnp.where(ok, new_lens, pool.seq_lens),
-        ref_cnt=pool.ref_cnt.at[taken].set(1, mode="drop"),
-        cached=pool.cached.at[taken].set(False, mode="drop"),
-        version=pool.version.at[taken].add(1, mode="drop"),
-        head=(pool.head + taken_n) % pool.num_blocks,
-        num_free_blocks=pool.num_free_blocks - taken_n,
+        block_tables=a.where(fresh, candidates[rank], pool.block_tables).astype(np.int32),
+        seq_lens=a.where(ok, new_lens, pool.seq_lens).astype(np.int32),
+        ref_cnt=at(pool.ref_cnt, taken).set(1),
+        cached=at(pool.cached, taken).set(False),
+        version=at(pool.version, taken).add(1),
+        head=a.asarray((pool.head + taken_n) % pool.num_blocks, np.int32),
+        num_free_blocks=a.asarray(pool.num_free_blocks - taken_n, np.int32),
     ), ok
+
+
+_allocate = _dispatch(_allocate_impl, 2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,13 +207,13 @@ def free(pool: BlockPool, seq_mask) -> BlockPool:
     mask = _concrete(seq_mask)
     if mask is not None:
         _check_shape("seq_mask", mask, (pool.max_seqs,))
-    return _free(pool, jnp.asarray(seq_mask, bool))
+    return _free(pool, xp(pool.ref_cnt).asarray(seq_mask, bool))
 
 
-@jax.jit
-def _free(pool: BlockPool, seq_mask):
-    pool = _release(pool, jnp.where(seq_mask, _cdiv(pool.seq_lens, pool.block_size), 0))
-    return dataclasses.replace(pool, seq_lens=jnp.where(seq_mask, 0, pool.seq_lens))
+def _free_impl(pool: BlockPool, seq_mask):
+    a = xp(pool.ref_cnt)
+    pool = _release_impl(pool, a.where(seq_mask, _cdiv(pool.seq_lens, pool.block_size), 0))
+    return dataclasses.replace(pool, seq_lens=a.where(seq_mask, 0, pool.seq_lens).astype(np.int32))
 
 
 def remove_skipped(pool: BlockPool, num_skipped) -> BlockPool:
@@ -200,27 +225,27 @@ def remove_skipped(pool: BlockPool, num_skipped) -> BlockPool:
     if skipped is not None:
         _check_shape("num_skipped", skipped, (pool.max_seqs,))
         _check_range("num_skipped", skipped, 0, pool.max_blocks_per_seq)
-    return _release(pool, jnp.asarray(num_skipped, jnp.int32))
+    return _release(pool, _i32(pool, num_skipped))
 
 
-@jax.jit
-def _release(pool: BlockPool, upto):
+def _release_impl(pool: BlockPool, upto):
     """Release entries [0, upto) of every slot (i32[max_seqs]) and unmap them."""
-    pos = jnp.arange(pool.max_blocks_per_seq)[None, :]
+    a = xp(pool.ref_cnt)
+    pos = a.arange(pool.max_blocks_per_seq)[None, :]
     leaving = pos < upto[:, None]  # bool[max_seqs, max_blocks_per_seq]
     released = leaving & (pool.block_tables != NULL_BLOCK)
     # Processing order: slot by slot, within a slot tail first.
-    order = jnp.arange(released.size).reshape(released.shape[0], -1)[:, ::-1]
-    blocks = jnp.where(released, pool.block_tables, pool.num_blocks)  # out of range: dropped
-    ref_cnt = pool.ref_cnt.at[blocks].add(-1, mode="drop")
+    order = a.arange(released.size).reshape(released.shape[0], -1)[:, ::-1]
+    blocks = a.where(released, pool.block_tables, pool.num_blocks)  # out of range: dropped
+    ref_cnt = at(pool.ref_cnt, blocks).add(-1)
     # A block shared by two released slots returns to the queue at its last release.
-    last = jnp.full_like(pool.ref_cnt, -1).at[blocks].max(order, mode="drop")
-    safe = jnp.clip(blocks, 0, pool.num_blocks - 1)
+    last = at(a.full(pool.ref_cnt.shape, -1, np.int32), blocks).max(order)
+    safe = a.clip(blocks, 0, pool.num_blocks - 1)
     returns = released & (ref_cnt[safe] == 0) & (last[safe] == order)
 
     def ranks(mask):  # rank of each returning entry among `mask`, in processing order
         flat = mask[:, ::-1].reshape(-1)
-        return (jnp.cumsum(flat) - 1).reshape(mask.shape)[:, ::-1], jnp.sum(flat, dtype=jnp.int32)
+        return (a.cumsum(flat) - 1).reshape(mask.shape)[:, ::-1], a.sum(flat, dtype=np.int32)
 
     hashed = pool.cached[safe]
     rank_u, num_u = ranks(returns & ~hashed)
@@ -228,27 +253,31 @@ def _release(pool: BlockPool, upto):
     # Prepended one by one, the last returned block ends up at the head.
     where_u = pool.head - 1 - rank_u
     where_h = pool.head + pool.num_free_blocks + rank_h
-    dest = jnp.where(returns, jnp.where(hashed, where_h, where_u) % pool.num_blocks, pool.num_blocks)
+    dest = a.where(returns, a.where(hashed, where_h, where_u) % pool.num_blocks, pool.num_blocks)
     return dataclasses.replace(
         pool,
-        block_tables=jnp.where(leaving, NULL_BLOCK, pool.block_tables),
+        block_tables=a.where(leaving, NULL_BLOCK, pool.block_tables).astype(np.int32),
         ref_cnt=ref_cnt,
-        queue=pool.queue.at[dest].set(pool.block_tables, mode="drop"),
-        head=(pool.head - num_u) % pool.num_blocks,
-        num_free_blocks=pool.num_free_blocks + num_u + num_h,
+        queue=at(pool.queue, dest).set(pool.block_tables),
+        head=a.asarray((pool.head - num_u) % pool.num_blocks, np.int32),
+        num_free_blocks=a.asarray(pool.num_free_blocks + num_u + num_h, np.int32),
     )
+
+
+_free = _dispatch(_free_impl)
+_release = _dispatch(_release_impl)
 
 
 def _remove_from_queue(pool: BlockPool, remove) -> BlockPool:
     """Take the blocks in `remove` (bool[num_blocks]) out of the free queue, keeping the order of the
     rest: one compaction pass, run only when a prefix hit revives a free block."""
-    n = pool.num_blocks
-    ring = pool.queue[(pool.head + jnp.arange(n)) % n]  # i32[num_blocks], head first
-    keep = (jnp.arange(n) < pool.num_free_blocks) & ~remove[ring]
-    dest = jnp.where(keep, jnp.cumsum(keep) - 1, n)
-    return dataclasses.replace(pool, queue=jnp.zeros_like(ring).at[dest].set(ring, mode="drop"),
-                               head=jnp.zeros((), jnp.int32),
-                               num_free_blocks=jnp.sum(keep, dtype=jnp.int32))
+    a, n = xp(pool.ref_cnt), pool.num_blocks
+    ring = pool.queue[(pool.head + a.arange(n)) % n]  # i32[num_blocks], head first
+    keep = (a.arange(n) < pool.num_free_blocks) & ~remove[ring]
+    dest = a.where(keep, a.cumsum(keep) - 1, n)
+    return dataclasses.replace(pool, queue=at(a.zeros_like(ring), dest).set(ring),
+                               head=a.zeros((), np.int32),
+                               num_free_blocks=a.asarray(a.sum(keep), np.int32))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,7 +295,8 @@ def share(pool: BlockPool, seq, block_ids, n, versions=None):
     Batched: seq i32[m] (-1 skips a row), block_ids i32[m, k], n i32[m] map several hits at once
     -> (pool, ok bool[m]); each row succeeds or fails on its own.
     """
-    batched = jnp.ndim(seq) == 1
+    a = xp(pool.ref_cnt)
+    batched = np.ndim(seq) == 1
     ids, count, slots = _concrete(block_ids), _concrete(n), _concrete(seq)
     if slots is not None:
         for slot in np.atleast_1d(slots):
@@ -276,41 +306,48 @@ def share(pool: BlockPool, seq, block_ids, n, versions=None):
         for row, c in zip(np.atleast_2d(ids), np.atleast_1d(count)):
             _check_range("n", c, 0, min(row.shape[0], pool.max_blocks_per_seq))
             _check_range("block_ids", row[: int(c)], 1, pool.num_blocks - 1)
-    block_ids = jnp.atleast_2d(jnp.asarray(block_ids, jnp.int32))
-    versions = jnp.full_like(block_ids, -1) if versions is None else jnp.atleast_2d(jnp.asarray(versions, jnp.int32))
-    pool, ok = _share(pool, jnp.atleast_1d(jnp.asarray(seq, jnp.int32)), block_ids,
-                      jnp.atleast_1d(jnp.asarray(n, jnp.int32)), versions)
+    block_ids = a.atleast_2d(_i32(pool, block_ids))
+    versions = a.full_like(block_ids, -1) if versions is None else a.atleast_2d(_i32(pool, versions))
+    pool, ok = _share(pool, a.atleast_1d(_i32(pool, seq)), block_ids, a.atleast_1d(_i32(pool, n)), versions)
     return pool, (ok if batched else ok[0])
 
 
-@jax.jit
-def _share(pool: BlockPool, seqs, block_ids, n, versions):
+def _share_impl(pool: BlockPool, seqs, block_ids, n, versions):
+    a = xp(pool.ref_cnt)
     m, k = block_ids.shape
     mb = pool.max_blocks_per_seq
-    live = (jnp.arange(k)[None, :] < n[:, None]) & (seqs >= 0)[:, None]  # bool[m, k]
-    safe = jnp.clip(block_ids, 0, pool.num_blocks - 1)
+    live = (a.arange(k)[None, :] < n[:, None]) & (seqs >= 0)[:, None]  # bool[m, k]
+    safe = a.clip(block_ids, 0, pool.num_blocks - 1)
     usable = ((block_ids > NULL_BLOCK) & (block_ids < pool.num_blocks)
               & ((pool.ref_cnt[safe] > 0) | pool.cached[safe])
               & ((versions < 0) | (versions == pool.version[safe])))
     # A block mapped twice into one row: sort each row's live ids, compare neighbours (O(k log k)).
-    ordered = jnp.sort(jnp.where(live, block_ids, pool.num_blocks + jnp.arange(k)), axis=1)
-    repeated = jnp.any(ordered[:, 1:] == ordered[:, :-1], axis=1)
-    slot = jnp.clip(seqs, 0, pool.max_seqs - 1)
+    ordered = a.sort(a.where(live, block_ids, pool.num_blocks + a.arange(k)), axis=1)
+    repeated = a.any(ordered[:, 1:] == ordered[:, :-1], axis=1)
+    slot = a.clip(seqs, 0, pool.max_seqs - 1)
     ok = (seqs < 0) | ((pool.seq_lens[slot] == 0) & (n >= 0) & (n <= min(k, mb))
-                       & jnp.all(usable | ~live, axis=1) & ~repeated)
+                       & a.all(usable | ~live, axis=1) & ~repeated)
     apply = ok & (seqs >= 0)
-    rows = jnp.zeros((m, mb), jnp.int32).at[:, :k].set(jnp.where(live, block_ids, NULL_BLOCK)[:, :mb])
-    target = jnp.where(apply, slot, pool.max_seqs)  # out of range: dropped
-    hits = jnp.where(apply[:, None] & live, block_ids, pool.num_blocks)
-    revived = jnp.zeros((pool.num_blocks,), bool).at[hits].set(pool.ref_cnt[safe] == 0, mode="drop")
+    rows = at(a.zeros((m, mb), np.int32), (slice(None), slice(None, k))).set(
+        a.where(live, block_ids, NULL_BLOCK)[:, :mb])
+    target = a.where(apply, slot, pool.max_seqs)  # out of range: dropped
+    hits = a.where(apply[:, None] & live, block_ids, pool.num_blocks)
+    revived = at(a.zeros((pool.num_blocks,), bool), hits).set(pool.ref_cnt[safe] == 0)
     pool = dataclasses.replace(
         pool,
-        block_tables=pool.block_tables.at[target].set(rows, mode="drop"),
-        seq_lens=pool.seq_lens.at[target].set(n * pool.block_size, mode="drop"),
-        ref_cnt=pool.ref_cnt.at[hits].add(1, mode="drop"),
+        block_tables=at(pool.block_tables, target).set(rows),
+        seq_lens=at(pool.seq_lens, target).set(n * pool.block_size),
+        ref_cnt=at(pool.ref_cnt, hits).add(1),
     )
-    pool = jax.lax.cond(jnp.any(revived), _remove_from_queue, lambda p, r: p, pool, revived)
+    pool = cond(a.any(revived), _remove_from_queue, _unchanged, pool, revived)
     return pool, ok
+
+
+def _unchanged(pool, _):
+    return pool
+
+
+_share = _dispatch(_share_impl)
 
 
 def fork(pool: BlockPool, parent, child):
@@ -326,29 +363,35 @@ def fork(pool: BlockPool, parent, child):
         _check_index("child", c, pool.max_seqs)
         if int(p) == int(c):
             raise ValueError(f"fork needs two slots, got parent == child == {int(p)}")
-    return _fork(pool, jnp.asarray(parent, jnp.int32), jnp.asarray(child, jnp.int32))
+    return _fork(pool, _i32(pool, parent), _i32(pool, child))
 
 
-@jax.jit
-def _fork(pool: BlockPool, parent, child):
+def _fork_impl(pool: BlockPool, parent, child):
+    a = xp(pool.ref_cnt)
     length = pool.seq_lens[parent]
     num_full = length // pool.block_size
     has_tail = length % pool.block_size != 0
     ok = ((pool.seq_lens[child] == 0) & (parent != child)
           & (~has_tail | (pool.num_free_blocks > 0)))
-    row = pool.block_tables[parent]
-    shared = jnp.where(ok & (jnp.arange(pool.max_blocks_per_seq) < num_full), row, NULL_BLOCK)
+    row = pool.block_tables[parent].copy()
+    shared = a.where(ok & (a.arange(pool.max_blocks_per_seq) < num_full), row, NULL_BLOCK)
+    child_len = a.where(ok, num_full * pool.block_size, pool.seq_lens[child])
     pool = dataclasses.replace(
         pool,
-        block_tables=pool.block_tables.at[child].set(jnp.where(ok, shared, pool.block_tables[child])),
-        seq_lens=pool.seq_lens.at[child].set(jnp.where(ok, num_full * pool.block_size, pool.seq_lens[child])),
-        ref_cnt=pool.ref_cnt.at[jnp.where(shared > 0, shared, pool.num_blocks)].add(1, mode="drop"),
+        block_tables=at(pool.block_tables, child).set(a.where(ok, shared, pool.block_tables[child])),
+        seq_lens=at(pool.seq_lens, child).set(child_len),
+        ref_cnt=at(pool.ref_cnt, a.where(shared > 0, shared, pool.num_blocks)).add(1),
     )
-    pool, _ = _allocate(pool, pool.seq_lens.at[child].set(jnp.where(ok, length, pool.seq_lens[child])), 1)
+    new_lens = at(pool.seq_lens.copy(), child).set(a.where(ok, length, pool.seq_lens[child]))
+    pool, _ = _allocate_impl(pool, new_lens, 1)
     copy = ok & has_tail
-    copy_src = jnp.where(copy, row[jnp.minimum(num_full, pool.max_blocks_per_seq - 1)], -1)
-    copy_dst = jnp.where(copy, pool.block_tables[child, jnp.minimum(num_full, pool.max_blocks_per_seq - 1)], -1)
+    last = a.minimum(num_full, pool.max_blocks_per_seq - 1)
+    copy_src = a.where(copy, row[last], -1)
+    copy_dst = a.where(copy, pool.block_tables[child, last], -1)
     return pool, ok, copy_src, copy_dst
+
+
+_fork = _dispatch(_fork_impl)
 
 
 def mark_cached(pool: BlockPool, block_ids, n) -> BlockPool:
@@ -357,80 +400,27 @@ def mark_cached(pool: BlockPool, block_ids, n) -> BlockPool:
     if ids is not None and count is not None:
         _check_range("n", count, 0, ids.shape[0])
         _check_range("block_ids", ids[: int(count)], 1, pool.num_blocks - 1)
-    return _mark_cached(pool, jnp.asarray(block_ids, jnp.int32), jnp.asarray(n, jnp.int32))
+    return _mark_cached(pool, _i32(pool, block_ids), _i32(pool, n))
 
 
-@jax.jit
-def _mark_cached(pool: BlockPool, block_ids, n):
-    ids = jnp.where((jnp.arange(block_ids.shape[0]) < n) & (block_ids > NULL_BLOCK), block_ids,
-                    pool.num_blocks)
-    return dataclasses.replace(pool, cached=pool.cached.at[ids].set(True, mode="drop"))
+def _mark_cached_impl(pool: BlockPool, block_ids, n):
+    a = xp(pool.ref_cnt)
+    ids = a.where((a.arange(block_ids.shape[0]) < n) & (block_ids > NULL_BLOCK), block_ids,
+                  pool.num_blocks)
+    return dataclasses.replace(pool, cached=at(pool.cached, ids).set(True))
+
+
+_mark_cached = _dispatch(_mark_cached_impl)
 
 
 def slot_mapping(pool: BlockPool, seq_ids, positions):
     """KV slot (block_id * block_size + offset) of each token -> i32[...]; -1 where the sequence id
     or the position is negative (padding), or the position is not mapped or was skipped."""
-    seq_ids = jnp.asarray(seq_ids, jnp.int32)
-    positions = jnp.asarray(positions, jnp.int32)
-    seq = jnp.clip(seq_ids, 0, pool.max_seqs - 1)
-    idx = jnp.clip(positions // pool.block_size, 0, pool.max_blocks_per_seq - 1)
+    a = xp(pool.ref_cnt)
+    seq_ids = _i32(pool, seq_ids)
+    positions = _i32(pool, positions)
+    seq = a.clip(seq_ids, 0, pool.max_seqs - 1)
+    idx = a.clip(positions // pool.block_size, 0, pool.max_blocks_per_seq - 1)
     slot = pool.block_tables[seq, idx] * pool.block_size + positions % pool.block_size
     valid = (seq_ids >= 0) & (positions >= 0) & (positions < pool.seq_lens[seq])
-    return jnp.where(valid & (pool.block_tables[seq, idx] != NULL_BLOCK), slot, -1)
-
-
-# ---------------------------------------------------------------------------------------------
-# host-side checks
-
-
-def check_invariants(pool: BlockPool) -> None:
-    """Raise AssertionError naming the first broken invariant (host-side, for tests and debugging)."""
-    tables, lens, ref = (np.asarray(a) for a in (pool.block_tables, pool.seq_lens, pool.ref_cnt))
-    nb = -(-lens // pool.block_size)
-    assert np.all((lens >= 0) & (nb <= pool.max_blocks_per_seq)), f"seq_lens out of range: {lens}"
-    mapped = np.arange(pool.max_blocks_per_seq)[None, :] < nb[:, None]
-    skipped = mapped & (tables == NULL_BLOCK)  # sliding window: out-of-window entries, leading only
-    assert not np.any(skipped[:, 1:] & ~skipped[:, :-1]), "a null entry follows a mapped block"
-    held = mapped & ~skipped
-    assert np.all(tables[held] < pool.num_blocks), "a mapped table entry is out of range"
-    assert np.all(tables[~mapped] == NULL_BLOCK), "an unmapped table entry is not the null block"
-    for s in np.flatnonzero(nb):
-        row = tables[s, : nb[s]][held[s, : nb[s]]]
-        assert len(set(row.tolist())) == len(row), f"slot {s} maps a block twice: {row}"
-    counts = np.bincount(tables[held], minlength=pool.num_blocks)
-    assert ref[NULL_BLOCK] == 0, f"the null block has ref count {ref[NULL_BLOCK]}"
-    bad = np.flatnonzero(counts != ref)
-    assert bad.size == 0, (f"ref counts differ from table references at blocks {bad[:8]}: "
-                           f"ref_cnt {ref[bad[:8]]}, references {counts[bad[:8]]}")
-    queued = free_order(pool)
-    free_blocks = np.flatnonzero(ref == 0)[1:]
-    assert sorted(queued.tolist()) == free_blocks.tolist(), \
-        f"the free queue {queued.tolist()} is not the set of blocks with ref count 0 {free_blocks.tolist()}"
-    used = int(np.sum(ref > 0))
-    assert len(queued) + used == pool.num_blocks - 1, f"free {len(queued)} + used {used} != {pool.num_blocks - 1}"
-
-
-def _concrete(x):
-    """x as a numpy array, or None while tracing (jitted callers get no host-side validation)."""
-    if isinstance(x, jax.core.Tracer):
-        return None
-    return np.asarray(x)
-
-
-def _check_shape(name, x, shape):
-    if x.shape != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
-
-
-def _check_range(name, x, low, high):
-    if x is None:
-        return
-    x = np.asarray(x)
-    bad = x[(x < low) | (x > high)]
-    if bad.size:
-        raise ValueError(f"{name} must lie in [{low}, {high}], got {bad.tolist()[:8]}")
-
-
-def _check_index(name, x, size):
-    if x is not None and (np.ndim(x) != 0 or not 0 <= int(x) < size):
-        raise ValueError(f"{name} must be a slot index in [0, {size}), got {np.asarray(x).tolist()}")
+    return a.where(valid & (pool.block_tables[seq, idx] != NULL_BLOCK), slot, -1).astype(np.int32)

@@ -20,9 +20,10 @@ def row(pool, seq):
     return np.asarray(pool.block_tables[seq, :n]).tolist()
 
 
-@pytest.fixture
-def pool():
-    return bp.init(num_blocks=11, block_size=16, max_seqs=4, max_blocks_per_seq=10)
+@pytest.fixture(params=["device", "host"])
+def pool(request):
+    """Every test runs on a jnp pool and on the host's numpy pool (`init(..., host=True)`)."""
+    return bp.init(num_blocks=11, block_size=16, max_seqs=4, max_blocks_per_seq=10, host=request.param == "host")
 
 
 def test_init_state(pool):

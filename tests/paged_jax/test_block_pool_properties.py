@@ -78,9 +78,11 @@ class QueueModel:
 
 
 class PoolMachine(RuleBasedStateMachine):
+    host = False  # the jnp pool; HostPoolMachine runs the same rules on the host's numpy pool
+
     def __init__(self):
         super().__init__()
-        self.pool = bp.init(NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS, MAX_BLOCKS)
+        self.pool = bp.init(NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS, MAX_BLOCKS, host=self.host)
         self.model = QueueModel()
 
     @rule(data=st.data())
@@ -142,6 +144,14 @@ class PoolMachine(RuleBasedStateMachine):
 PoolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
 TestPoolAgainstQueueModel = PoolMachine.TestCase
+
+
+class HostPoolMachine(PoolMachine):
+    host = True
+
+
+HostPoolMachine.TestCase.settings = PoolMachine.TestCase.settings
+TestHostPoolAgainstQueueModel = HostPoolMachine.TestCase
 
 
 def _script(pool):
