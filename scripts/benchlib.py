@@ -145,7 +145,7 @@ def run_engine(llm, prompts, params, *, read_pool: bool = False) -> dict:
         if read_pool:
             t = time.perf_counter()
             steps = engine.counters["model_steps"] - before  # weight by the model steps this call ran
-            fill, ref = block_fill(engine.state.pool)
+            fill, ref = block_fill(engine.block_pool)
             held += steps * int(fill.sum())
             allocated += steps * int((ref[1:] > 0).sum()) * engine.config.block_size
             probe_s += time.perf_counter() - t

@@ -10,7 +10,9 @@ Per-token latency is the decode time per output token after the first, (finish -
 Compile time is the first run's extra time over the median run, reported apart. Also the host's
 share of the engine's time (scheduling, batching, output processing: busy time less the device
 calls) per device call, and the bytes each decode call moves between host and device; run it at
-`--batch-size 256` for a GPU's default concurrency.
+`--batch-size 256` for a GPU's default concurrency. The same runs go through the engine twice, with
+async scheduling off (serial) and on (overlapped): tok/s of each, and the host time the overlapped
+engine still exposes per call (its engine time beyond the serial engine's device time).
 """
 from __future__ import annotations
 
@@ -42,6 +44,35 @@ def run_once(llm, args, rng) -> dict:
                 tpot_ms=[1e3 * (x["finish_time"] - x["first_token_time"]) / max(args.output_len - 1, 1) for x in m])
 
 
+def measure(model, args, seq_len, rng, overlapped: bool):
+    """Warm-up then timed runs on an engine with async scheduling on or off -> (host figures,
+    compile summary, latency rows, raw metrics, decode tok/s)."""
+    llm = LLM(model, block_size=args.block_size, num_blocks=args.batch_size * -(-seq_len // args.block_size) + 1,
+              max_num_seqs=args.batch_size, max_num_batched_tokens=max(512, args.batch_size), max_model_len=seq_len,
+              num_decode_steps=args.num_decode_steps, log_stats=False, async_scheduling=overlapped)
+    warmup = [run_once(llm, args, rng) for _ in range(args.num_iters_warmup)]
+    before = llm.stats()
+    runs = [run_once(llm, args, rng) for _ in range(args.num_iters)]
+    after = llm.stats()
+    d = {k: after[k] - before[k] for k in ("busy_seconds", "device_seconds", "decode_calls", "prefill_steps",
+                                           "overlapped_calls", "decode_bytes_to_device", "decode_bytes_from_device")}
+    calls = d["decode_calls"] + d["prefill_steps"]
+    host = dict(calls=calls, busy_seconds=d["busy_seconds"], device_seconds=d["device_seconds"],
+                overlapped_calls=d["overlapped_calls"],
+                host_ms_per_call=1e3 * (d["busy_seconds"] - d["device_seconds"]) / calls,
+                host_share=1 - d["device_seconds"] / d["busy_seconds"],
+                decode_bytes_to_device=d["decode_bytes_to_device"] / d["decode_calls"],
+                decode_bytes_from_device=d["decode_bytes_from_device"] / d["decode_calls"])
+    latency = [r["latency_s"] for r in runs]
+    summary = dict(first_run_extra_s=warmup[0]["latency_s"] - float(np.median(latency)),
+                   compile_s=warmup[0]["compile_s"], timed_runs_compile_s=sum(r["compile_s"] for r in runs))
+    metrics = {"end-to-end latency (s)": latency,
+               "time to first token (ms)": [t for r in runs for t in r["ttft_ms"]],
+               "decode per token (ms)": [t for r in runs for t in r["tpot_ms"]]}
+    rows = [dict(name=name, **benchlib.percentiles(values, QUANTILES)) for name, values in metrics.items()]
+    return host, summary, rows, metrics, args.batch_size / np.median(metrics["decode per token (ms)"]) * 1e3
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-size", type=int, default=8)
@@ -58,41 +89,30 @@ def main(argv=None):
         ap.error("--num-iters-warmup and --num-iters must be at least 1 (the first run compiles)")
     seq_len = args.input_len + args.output_len
     model = benchlib.random_llama(args, seq_len)
-    llm = LLM(model, block_size=args.block_size, num_blocks=args.batch_size * -(-seq_len // args.block_size) + 1,
-              max_num_seqs=args.batch_size, max_num_batched_tokens=max(512, args.batch_size), max_model_len=seq_len,
-              num_decode_steps=args.num_decode_steps, log_stats=False)
     rng = np.random.default_rng(args.seed)
-    warmup = [run_once(llm, args, rng) for _ in range(args.num_iters_warmup)]
-    before = llm.stats()
-    runs = [run_once(llm, args, rng) for _ in range(args.num_iters)]
-    after = llm.stats()
-    d = {k: after[k] - before[k] for k in ("busy_seconds", "device_seconds", "decode_calls", "prefill_steps",
-                                           "decode_bytes_to_device", "decode_bytes_from_device")}
-    calls = d["decode_calls"] + d["prefill_steps"]
-    host = dict(host_ms_per_call=1e3 * (d["busy_seconds"] - d["device_seconds"]) / calls,
-                host_share=1 - d["device_seconds"] / d["busy_seconds"],
-                decode_bytes_to_device=d["decode_bytes_to_device"] / d["decode_calls"],
-                decode_bytes_from_device=d["decode_bytes_from_device"] / d["decode_calls"])
-    latency = [r["latency_s"] for r in runs]
-    summary = dict(first_run_extra_s=warmup[0]["latency_s"] - float(np.median(latency)),
-                   compile_s=warmup[0]["compile_s"], timed_runs_compile_s=sum(r["compile_s"] for r in runs))
-    metrics = {"end-to-end latency (s)": latency,
-               "time to first token (ms)": [t for r in runs for t in r["ttft_ms"]],
-               "decode per token (ms)": [t for r in runs for t in r["tpot_ms"]]}
-    rows = [dict(name=name, **benchlib.percentiles(values, QUANTILES)) for name, values in metrics.items()]
-    decode_tok_s = args.batch_size / np.median(metrics["decode per token (ms)"]) * 1e3
+    serial, summary, rows, metrics, decode_tok_s = measure(model, args, seq_len, rng, False)
+    overlapped, *_, overlapped_tok_s = measure(model, args, seq_len, rng, True)
+    # The device's own work is the serial engine's device time; what the overlapped engine spends
+    # beyond it is host work the device waited for.
+    exposed = (overlapped["busy_seconds"] - serial["device_seconds"]) / overlapped["calls"]
     print(f"latency: batch {args.batch_size}, input {args.input_len}, output {args.output_len} tokens; random Llama "
           f"{benchlib.num_params(model) / 1e6:.0f}M params, {args.dtype}; {args.num_iters_warmup} warm-up + "
-          f"{args.num_iters} timed runs; decode {decode_tok_s:.1f} tok/s")
+          f"{args.num_iters} timed runs; decode {decode_tok_s:.1f} tok/s serial, {overlapped_tok_s:.1f} tok/s "
+          f"overlapped ({overlapped_tok_s / decode_tok_s:.2f}x)")
     print(f"compile: the first run took {summary['first_run_extra_s']:.2f} s longer than the median (jax compile "
           f"events: {summary['compile_s']:.2f} s); the timed runs compiled {summary['timed_runs_compile_s']:.2f} s")
-    print(f"host: {host['host_ms_per_call']:.2f} ms per device call ({host['host_share']:.1%} of the engine's time); "
-          f"each decode call of {args.num_decode_steps} steps sends {host['decode_bytes_to_device'] / 1024:.1f} KiB "
-          f"and fetches {host['decode_bytes_from_device'] / 1024:.1f} KiB")
+    print(f"host, serial: {serial['host_ms_per_call']:.2f} ms per device call ({serial['host_share']:.1%} of the "
+          f"engine's time); overlapped: {1e3 * exposed:.2f} ms per call exposed "
+          f"({exposed * overlapped['calls'] / overlapped['busy_seconds']:.1%}), {overlapped['overlapped_calls']} of "
+          f"{overlapped['calls']} calls dispatched before the one before was processed")
+    print(f"each decode call of {args.num_decode_steps} steps sends {serial['decode_bytes_to_device'] / 1024:.1f} KiB "
+          f"and fetches {serial['decode_bytes_from_device'] / 1024:.1f} KiB")
     benchlib.print_table(rows, [("name", "metric", "s"), ("mean", "mean", ".2f")]
                          + [(f"p{q}", f"p{q}", ".2f") for q in QUANTILES])
     if args.json:
-        result = dict(vars(args), **summary, **host, decode_tok_s=decode_tok_s, rows=rows, raw=metrics)
+        result = dict(vars(args), **summary, serial=serial, overlapped=overlapped, decode_tok_s=decode_tok_s,
+                      overlapped_decode_tok_s=overlapped_tok_s, exposed_host_ms_per_call=1e3 * exposed,
+                      rows=rows, raw=metrics)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
 

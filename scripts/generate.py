@@ -132,6 +132,8 @@ def main(argv=None):
                         help=f"default: {'sized by the engine' if default is None else default}")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: the checkpoint's")
     ap.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                    help="plan the next decode call while the device runs this one (default: on)")
     ap.add_argument("--chat", action="store_true",
                     help="send each prompt as a user message through the model's chat template")
     ap.add_argument("--compilation-cache-dir", metavar="DIR",
@@ -151,7 +153,7 @@ def main(argv=None):
         inputs = chat_inputs(tokenizer, prompts) if args.chat else prompts
         llm = LLM(model, tokenizer=tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
                   max_num_seqs=args.max_num_seqs, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
-                  log_stats=args.process_id == 0 or args.print_all_processes)
+                  async_scheduling=args.async_scheduling, log_stats=args.process_id == 0 or args.print_all_processes)
     except (OSError, ValueError, ImportError) as e:  # ImportError: --chat without jinja2
         fail(str(e))
     # Every process runs the same generation (each step is one program across all of them); one prints.

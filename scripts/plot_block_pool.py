@@ -52,7 +52,7 @@ def simulate(model, block_size: int, moments: list[int]) -> list[dict]:
                    for seq in engine.scheduler.running]
         owners.update((seq.slot, label) for seq, label in zip(engine.scheduler.running, running))
         if step in moments:
-            pool = engine.state.pool
+            pool = engine.block_pool
             held, ref = block_fill(pool)
             tables, lens = np.asarray(pool.block_tables), np.asarray(pool.seq_lens)
             owner_blocks = {owners[slot]: tables[slot, : -(-int(lens[slot]) // block_size)].tolist()

@@ -1,5 +1,5 @@
-"""What one device call returns (vLLM's ModelRunnerOutput): the sampled tokens of each batch row and
-the pool changes the host mirrors. Registered pytrees: the jitted step returns them with device
+"""What one device call returns (vLLM's ModelRunnerOutput): the sampled tokens of each batch row.
+Registered pytrees: the jitted step returns them with device
 arrays, `jax.device_get` turns them into the same classes holding numpy arrays."""
 from __future__ import annotations
 
@@ -7,19 +7,6 @@ import dataclasses
 
 import jax
 import numpy as np
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PoolDelta:
-    """The pool entries a call may have changed: rows of the slots that ran, never whole tables."""
-
-    slots: np.ndarray  # i32[n]; the slots that ran, -1 for padding rows
-    seq_lens: np.ndarray  # i32[n]; their mapped tokens after the call
-    start: np.ndarray  # i32[n]; table index of blocks[:, 0]
-    blocks: np.ndarray  # i32[n, r]; table entries [start, start + r) (NULL_BLOCK past the end)
-    versions: np.ndarray  # i32[n, r]; the version of each of those blocks
-    num_free: np.ndarray  # i32[]
 
 
 @jax.tree_util.register_dataclass
@@ -39,7 +26,7 @@ class PromptLogprobs:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ModelOutput:
-    """Row i of every array belongs to the sequence in slot `delta.slots[i]`."""
+    """Row i of every array belongs to the plan's i-th row (its scheduled sequences, then forked children)."""
 
     tokens: np.ndarray  # i32[n, k]; the tokens sampled for each row, -1 where none
     logprob: np.ndarray  # f32[n, k]; of each sampled token
@@ -47,7 +34,5 @@ class ModelOutput:
     top_ids: np.ndarray  # i32[n, k, num_logprobs]
     top_logprobs: np.ndarray  # f32[n, k, num_logprobs]
     finish: np.ndarray  # i32[n]; 0 running, 1 stop token, 2 length
-    delta: PoolDelta
     steps: np.ndarray  # i32[]; model steps the call ran
-    pool_full: np.ndarray  # bool[]; the decode loop stopped because the pool could not grow
     prompt_logprobs: PromptLogprobs | None = None  # prefill steps whose batch asked for them

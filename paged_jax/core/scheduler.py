@@ -2,10 +2,12 @@
 each sequence brings its computed tokens up to its tokens within a token budget, which covers
 chunked prefill, prefix hits and resumption after preemption in one mechanism.
 
-The scheduler plans each step's pool operations on a host mirror of the device pool
-(`PoolMirror`, updated from the rows each device call returns) and the runner replays them in the
-same order on the device, so they cannot fail there. One step is `schedule()`, the device call,
-then `update_from_output(plan, output)`, which owns every transition the output causes.
+The scheduler owns the block pool (`KVCacheManager`, on the host): it allocates, shares, forks and
+frees as it plans, and the device receives only the block tables of each call's rows. A decode call
+runs up to `num_decode_steps` tokens per row, so before it the scheduler reserves the blocks those
+tokens need (vLLM's lookahead slots); a row that finishes gives its blocks back at once. One step
+is `schedule()`, the device call, then `update_from_output(plan, output)`, which owns every
+transition the output causes.
 """
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ import heapq
 import numpy as np
 
 from paged_jax.core.host_pool import HostBlockPool
-from paged_jax.core.model_output import ModelOutput, PoolDelta
-from paged_jax.core.pool_mirror import PoolMirror
+from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core.model_output import ModelOutput
 from paged_jax.core.prefix_cache import PrefixCache, extend_block_hashes
 from paged_jax.core.sequence import Sequence, Status
 
@@ -25,10 +27,14 @@ from paged_jax.core.sequence import Sequence, Status
 @dataclasses.dataclass
 class Plan:
     scheduled: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)  # (seq, new tokens)
-    admitted: dict[int, tuple[list[int], list[int]]] = dataclasses.field(default_factory=dict)  # slot -> hits, versions
+    admitted: set[int] = dataclasses.field(default_factory=set)  # slots that joined the running batch
     forks: list[tuple[Sequence, Sequence]] = dataclasses.field(default_factory=list)  # (child, parent)
+    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst) tail blocks of forks
     preempted: list[Sequence] = dataclasses.field(default_factory=list)
-    free_slots: list[int] = dataclasses.field(default_factory=list)
+    # i32[rows, width]: the block tables of the call's rows (scheduled, then forked children), as
+    # wide as the widest row's mapped blocks (lookahead included); what the device reads of the pool.
+    block_tables: np.ndarray | None = None
+    num_mapped: np.ndarray | None = None  # i32[rows]: token slots each row's table maps
     # Host memory: device -> host copies (device block, host block) of swapped victims and of
     # cached blocks this step evicts (the prefix cache's host tier), and host -> device loads (slot,
     # host block ids, the table entry the first fills) of resuming swapped slots and tier hits.
@@ -36,9 +42,6 @@ class Plan:
     tier_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     swap_in: list[tuple[int, list[int], int]] = dataclasses.field(default_factory=list)
     tier_in: list[tuple[int, list[int], int]] = dataclasses.field(default_factory=list)
-    marks: list[int] = dataclasses.field(default_factory=list)
-    skips: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (slot, entries out of the window)
-    free_blocks: int = 0  # the most blocks any freed slot held (the device's table width for the frees)
     num_waiting: int = 0  # requests still waiting after this plan (the decode loop leaves early for them)
 
     # Decided when planned (the sequences move on after the call): only running sequences whose one
@@ -72,9 +75,6 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.free_slot_ids = list(range(max_num_seqs))  # a heap: the lowest free slot first
-        self.pending_free: list[int] = []  # slots of finished sequences, freed on the next call
-        self.pending_free_blocks = 0
-        self.pending_marks: list[int] = []  # blocks newly entered in the prefix cache
         self.host_pool = host_pool
         self.swap_preemption = swap_preemption and host_pool is not None
         self.host_tier = host_tier and host_pool is not None
@@ -84,11 +84,12 @@ class Scheduler:
         self.num_swap_fallbacks = 0  # swap preemptions the full host pool turned into recomputes
         self.num_recomputed_tokens = 0  # tokens computed again after a recompute preemption
         self.num_tier_hit_tokens = 0  # prompt tokens whose KV a prefix hit copied back from the host tier
-        self.pool = PoolMirror(num_blocks, block_size, max_num_seqs, max_blocks_per_seq)
+        self.kv_manager = KVCacheManager(num_blocks, block_size, max_num_seqs, max_blocks_per_seq)
+        self._tier_out_pending: list[tuple[int, int]] = []  # evictions since the last plan, to copy out
 
     @property
     def num_free(self) -> int:
-        return self.pool.num_free
+        return self.kv_manager.num_free
 
     def _blocks(self, n):
         return -(-n // self.block_size)
@@ -100,7 +101,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence, status: Status) -> None:
-        """End a sequence (and its unforked children); its slot is freed on the next device call."""
+        """End a sequence (and its unforked children); its blocks go back to the pool at once."""
         for s in [seq, *seq.children]:
             if s.finished:
                 continue
@@ -117,9 +118,7 @@ class Scheduler:
 
     def _release_slot(self, seq: Sequence) -> None:
         if seq.slot >= 0:
-            self.pending_free_blocks = max(self.pending_free_blocks, self.pool.num_blocks_of(seq.slot))
-            self.pool.release(seq.slot)
-            self.pending_free.append(seq.slot)
+            self.kv_manager.free([seq.slot])
             heapq.heappush(self.free_slot_ids, seq.slot)
             seq.slot = -1
 
@@ -134,35 +133,95 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
 
+    def _allocate(self, seqs: list[Sequence], new_lens: list[int]) -> None:
+        """Grow the sequences' slots; the cached blocks handed out lose their prefix-cache entries
+        (the host tier keeps a copy of each first)."""
+        if self.host_tier:
+            self._tier_out_pending += self._tier_copies(self.kv_manager.next_evictions(
+                sum(max(0, self._blocks(n) - self.kv_manager.num_blocks_of(s.slot)) for s, n in zip(seqs, new_lens))))
+        self.prefix_cache.evict(self.kv_manager.allocate([s.slot for s in seqs], new_lens))
+
+    def _lookahead_len(self, seq: Sequence, computed: int, num_output: int) -> int:
+        """Token slots a decoding row can use in one decode call that starts with `computed` tokens
+        in the cache and `num_output` sampled: num_decode_steps more (fewer near its max_tokens),
+        within the longest table."""
+        steps = self.num_decode_steps
+        if seq.request.params.max_tokens is not None:
+            steps = min(steps, seq.request.params.max_tokens - num_output)
+        return min(computed + max(steps, 0), self.kv_manager.pool.max_seq_len)
+
+    def _reserve_lookahead(self, seqs: list[Sequence], computed: list[int], num_output: list[int]) -> bool:
+        """vLLM's lookahead slots: before a decode call every row gets the blocks of the tokens the
+        call may add: the most steps J (up to num_decode_steps) whose blocks all rows can have at
+        once; each row pauses at its J-th token (the call stops it there). No row is preempted for
+        lookahead: preemption happens exactly when a row cannot get its next token's block, and
+        the call then stops where the pool ran dry, as the in-loop allocation it replaces did.
+        -> whether every row that can still run got at least one step."""
+        kv = self.kv_manager
+        ends = [self._lookahead_len(seq, c, o) for seq, c, o in zip(seqs, computed, num_output)]
+        have = [kv.num_blocks_of(seq.slot) for seq in seqs]
+
+        def targets(steps):
+            return [max(min(c + steps, end), kv.num_mapped(seq.slot)) for seq, c, end in zip(seqs, computed, ends)]
+
+        def need(steps):
+            return sum(max(0, self._blocks(t) - h) for t, h in zip(targets(steps), have))
+
+        if need(1) > kv.num_free:
+            return False
+        steps = 1
+        while steps < self.num_decode_steps and need(steps + 1) <= kv.num_free:
+            steps += 1
+        self._allocate(seqs, targets(steps))
+        return True
+
+    def schedule_continuation(self, prev: Plan) -> Plan | None:
+        """Overlapped scheduling (vLLM's async scheduling): the next decode call of `prev`'s rows,
+        planned while `prev` runs, before its output is known. A row of `prev` either finishes or
+        runs to the end of its reservation, so a row that does not finish starts this call with
+        exactly the tokens its table mapped; one that finishes is found when `prev`'s output is
+        processed, and what this call gave it is discarded. None when the next step should be
+        planned from `prev`'s output instead: requests wait to be admitted, or a row could not get
+        a block for one more token (preemption decides then)."""
+        if not prev.is_decode or self.waiting:
+            return None
+        kv = self.kv_manager
+        rows = [(seq, kv.num_mapped(seq.slot)) for seq, _ in prev.scheduled if not seq.finished]
+        rows = [(seq, mapped) for seq, mapped in rows
+                if self._lookahead_len(seq, mapped, seq.num_output + mapped - seq.num_computed) > mapped]
+        if not rows:
+            return None
+        seqs = [seq for seq, _ in rows]
+        if not self._reserve_lookahead(seqs, [m for _, m in rows],
+                                       [seq.num_output + m - seq.num_computed for seq, m in rows]):
+            return None
+        plan = Plan(scheduled=list(prev.scheduled), is_decode=True)
+        plan.tier_out, self._tier_out_pending = self._tier_out_pending, []
+        self._set_tables(plan)
+        return plan
+
     def schedule(self) -> Plan:
-        """Plan the next step on the mirror: frees since the last call, then vLLM's two passes."""
-        plan = Plan(marks=self.pending_marks, free_slots=self.pending_free)
-        self.pending_marks, self.pending_free = [], []
-        ref, free = self.pool.ref, self.pool.num_free  # planned on, never written
-        hit_refs: dict[int, int] = {}  # references this plan adds to prefix-hit blocks
+        """Plan the next step and apply its pool operations: vLLM's two passes."""
+        plan = Plan()
         budget = self.max_num_batched_tokens
-        num_new = 0  # blocks this step's call hands out from the free queue
+        kv = self.kv_manager
 
         # Pass 1: running sequences in admission order; preempt from the back when blocks run out.
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            free += self._remove_skipped_blocks(seq, plan)
+            self._remove_skipped_blocks(seq)
             n = self._chunk(seq.num_tokens - seq.num_computed, budget)
             if n == 0:
                 i += 1
                 continue
-            need = self._blocks(seq.num_computed + n) - self.pool.num_blocks_of(seq.slot)
-            need += self._fork_blocks(seq, n)
-            while need > free and self.running:
+            target = max(seq.num_computed + n, kv.num_mapped(seq.slot))
+            need = self._blocks(target) - kv.num_blocks_of(seq.slot) + self._fork_blocks(seq, n)
+            while need > kv.num_free and self.running:
                 victim = self.running.pop()
                 victim.host_blocks = self._swap_out(victim, plan)
                 for s in [victim, *victim.children]:
-                    if s.slot >= 0:
-                        freed = self.pool.blocks_freed_by(s.slot)
-                        self._release_slot(s)
-                        plan.free_slots.append(self.pending_free.pop())
-                        free += freed
+                    self._release_slot(s)
                 if not victim.host_blocks:  # recompute: its KV is dropped
                     victim.num_lost, victim.num_computed = victim.num_computed, 0
                 victim.status, victim.num_cached_blocks = Status.WAITING, 0
@@ -172,10 +231,9 @@ class Scheduler:
                     break
             if seq.status == Status.WAITING:
                 break
+            self._allocate([seq], [target])
             plan.scheduled.append((seq, n))
             budget -= n
-            free -= need
-            num_new += need
             i += 1
         for victim in plan.preempted:  # the last preempted is first in line, as vLLM's prepend
             self.waiting.appendleft(victim)
@@ -190,21 +248,18 @@ class Scheduler:
             tier = self._tier_hits(seq, len(hits)) if seq.num_computed == 0 else []
             cached = seq.num_computed if swapped else (len(hits) + len(tier)) * self.block_size
             n = self._chunk(seq.num_tokens - cached, budget)
-            revived = sum(int(ref[b] + hit_refs.get(b, 0) == 0) for b, _ in hits)  # taken back from the free queue
-            need = self._blocks(cached + n) - len(hits) + revived
-            need += self._fork_blocks(seq, n, cached)
-            if need > free:
+            revived = sum(int(kv.ref(b) == 0) for b, _ in hits)  # taken back from the free queue
+            need = self._blocks(cached + n) - len(hits) + revived + self._fork_blocks(seq, n, cached)
+            if need > kv.num_free:
                 break
             self.waiting.popleft()
-            for b, _ in hits:
-                hit_refs[b] = hit_refs.get(b, 0) + 1
-            free -= need
-            num_new += need - revived
             budget -= n
             seq.slot = heapq.heappop(self.free_slot_ids)
             for child in seq.children:
                 child.slot = heapq.heappop(self.free_slot_ids)
+            kv.share(seq.slot, [b for b, _ in hits], [v for _, v in hits])
             seq.status, seq.num_computed, seq.prefill_end = Status.RUNNING, cached, seq.num_tokens
+            self._allocate([seq], [cached + n])
             if swapped:
                 plan.swap_in.append((seq.slot, seq.host_blocks, 0))
                 self.host_pool.free(seq.host_blocks)  # read by the runner before any later swap-out
@@ -218,34 +273,65 @@ class Scheduler:
                 seq.num_lost = 0
             if seq.request.num_cached_tokens is None:
                 seq.request.num_cached_tokens = cached
-            plan.admitted[seq.slot] = ([b for b, _ in hits], [v for _, v in hits])
+            plan.admitted.add(seq.slot)
             plan.scheduled.append((seq, n))
             self.running.append(seq)
 
         for seq, n in plan.scheduled:
             if seq.children and seq.num_computed + n == seq.num_tokens:
-                plan.forks += [(child, seq) for child in seq.children]
+                for child in seq.children:
+                    if seq.num_tokens % self.block_size:  # the child's copy of the tail takes a block
+                        if self.host_tier:
+                            self._tier_out_pending += self._tier_copies(kv.next_evictions(1))
+                        self.prefix_cache.evict(kv.next_evictions(1))
+                    src, dst = kv.fork(seq.slot, child.slot)
+                    plan.forks.append((child, seq))
+                    if src >= 0:
+                        plan.copies.append((src, dst))
         plan.num_waiting = len(self.waiting)
         plan.is_decode = bool(plan.scheduled) and not (plan.admitted or plan.forks or plan.preempted) and all(
             n == 1 and seq.num_tokens - seq.num_computed == 1 for seq, n in plan.scheduled)
-        plan.free_blocks, self.pending_free_blocks = self.pending_free_blocks, 0
-        self.pool.settle()
-        if self.host_tier:
-            if plan.is_decode:  # the decode loop may run num_decode_steps tokens
-                num_new = sum(self._blocks(seq.num_computed + self.num_decode_steps) - self.pool.num_blocks_of(seq.slot)
-                              for seq, _ in plan.scheduled)
-            self._tier_out(plan, num_new, {b for b in hit_refs if ref[b] == 0})
+        if plan.is_decode:
+            seqs = [seq for seq, _ in plan.scheduled]
+            self._reserve_lookahead(seqs, [s.num_computed for s in seqs], [s.num_output for s in seqs])
+        plan.tier_out, self._tier_out_pending = self._tier_out_pending, []
+        self._set_tables(plan)
         return plan
 
-    def _tier_out(self, plan: Plan, num_new: int, revived: set[int]) -> None:
-        """The host tier keeps the cached blocks this step's hand-outs evict: each is copied to a
-        host block before the step writes it (one that a swap-out of this plan copies anyway is
-        gathered once: the runner gathers each device block once)."""
-        for block in self.pool.next_evictions(num_new, revived):
+    def reserve(self, plan: Plan) -> None:
+        """For a caller that plans its own rows (beam search, whose pool is sized for its worst
+        case): map what each scheduled row computes and set the plan's block tables."""
+        seqs = [s for s, _ in plan.scheduled]
+        self._allocate(seqs, [max(s.num_computed + n, self.kv_manager.num_mapped(s.slot)) for s, n in plan.scheduled])
+        if plan.is_decode:
+            self._reserve_lookahead(seqs, [s.num_computed for s in seqs], [s.num_output for s in seqs])
+        self._set_tables(plan)
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int]:
+        """Copy-on-write fork between steps (beam search) -> (copy_src, copy_dst) of the tail block."""
+        if parent.num_tokens % self.block_size:
+            self.prefix_cache.evict(self.kv_manager.next_evictions(1))
+        return self.kv_manager.fork(parent.slot, child.slot)
+
+    def _set_tables(self, plan: Plan) -> None:
+        """What the device reads of the pool: the rows' tables, as wide as the most blocks one maps,
+        and their mapped token slots (a decode row stops there)."""
+        slots = [s.slot for s, _ in plan.scheduled] + [c.slot for c, _ in plan.forks]  # -1: finished
+        width = max([self.kv_manager.num_blocks_of(s) for s in slots if s >= 0] + [1])
+        plan.block_tables = self.kv_manager.tables(slots, width)
+        plan.num_mapped = np.array([self.kv_manager.num_mapped(s) if s >= 0 else 0 for s in slots], np.int32)
+
+    def _tier_copies(self, evicted: list[int]) -> list[tuple[int, int]]:
+        """The host tier keeps the cached blocks a hand-out evicts: each is copied to a host block
+        before the step writes it (one that a swap-out of this plan copies anyway is gathered once:
+        the runner gathers each device block once) -> (device block, host block) pairs."""
+        copies = []
+        for block in evicted:
             block_hash = self.prefix_cache.hash_of.get(block)
             host = None if block_hash is None else self.host_pool.store(block_hash)
             if host is not None:
-                plan.tier_out.append((block, host))
+                copies.append((block, host))
+        return copies
 
     def _tier_hits(self, seq, num_device_hits: int) -> list[int]:
         """Host tier blocks continuing a prefix hit past the device's run (the tail of a chain is
@@ -261,38 +347,38 @@ class Scheduler:
         or a sliding window unmapped some of its blocks, and when the host pool is full (counted)."""
         if not self.swap_preemption or victim.children or self.sliding_window is not None or victim.num_computed == 0:
             return []
-        blocks = self.pool.slot_blocks(victim.slot)
-        host = self.host_pool.swap_out(blocks, self.pool.version[blocks], plan.swap_out)
+        blocks = self.kv_manager.blocks_of(victim.slot)[: self._blocks(victim.num_computed)]
+        host = self.host_pool.swap_out(blocks, self.kv_manager.version(blocks), plan.swap_out)
         self.num_swap_preemptions += host is not None
         self.num_swap_fallbacks += host is None
         return host or []
 
-    def reset_prefix_cache(self) -> None:
-        """Every prefix-cache entry is gone, the host tier's too (no block may be held)."""
+    def reset_prefix_cache(self) -> bool:
+        """Forget every prefix-cache entry, the host tier's too; False, changing nothing, while any
+        block is held by a request."""
+        if self.kv_manager.num_free != self.num_blocks - 1:
+            return False
         self.prefix_cache.reset()
-        self.pool.uncache_all()
+        self.kv_manager.uncache_all()
         if self.host_tier:
             self.host_pool.reset_tier()
+        return True
 
-    def take_pool_ops(self) -> Plan:
-        """Going idle: a plan of just the pending frees and cache marks."""
-        plan = Plan(marks=self.pending_marks, free_slots=self.pending_free, free_blocks=self.pending_free_blocks)
-        self.pending_marks, self.pending_free, self.pending_free_blocks = [], [], 0
-        self.pool.settle()
-        return plan
+    def reset_counters(self) -> None:
+        self.prefix_cache.queries = self.prefix_cache.hits = 0
+        self.num_preemptions = self.num_swap_preemptions = self.num_swap_fallbacks = 0
+        self.num_recomputed_tokens = self.num_tier_hit_tokens = 0
 
-    def _remove_skipped_blocks(self, seq: Sequence, plan: Plan) -> int:
+    def _remove_skipped_blocks(self, seq: Sequence) -> None:
         """vLLM's SlidingWindowManager.remove_skipped_blocks: the next token (position num_computed)
         and every later one attend to positions > num_computed - window, so the blocks wholly before
-        that go back to the pool (the table entry becomes the null block) -> blocks freed. A long
-        generation then holds about window / block_size + 1 blocks, not its whole length."""
+        that go back to the pool (the table entry becomes the null block). A long generation then
+        holds about window / block_size + 1 blocks, not its whole length."""
         if self.sliding_window is None:
-            return 0
+            return
         skipped = max(0, seq.num_computed - self.sliding_window + 1) // self.block_size
-        if skipped <= self.pool.skipped[seq.slot]:
-            return 0
-        plan.skips.append((seq.slot, skipped))
-        return self.pool.remove_skipped(seq.slot, skipped)
+        if skipped > self.kv_manager.num_skipped(seq.slot):
+            self.kv_manager.remove_skipped(seq.slot, skipped)
 
     def _chunk(self, n, budget):
         if self.long_prefill_token_threshold > 0:
@@ -308,7 +394,7 @@ class Scheduler:
     def _prefix_hits(self, seq) -> list[tuple[int, int]]:
         """Leading cached blocks (block, version); at most (num_tokens - 1) // bs, so a fully cached
         prompt still computes its last token for logits (vLLM). Every entry is current: the map
-        drops one as soon as the device hands its block out again. A request asking for
+        drops one as soon as the pool hands its block out again. A request asking for
         prompt_logprobs reads none (it needs every prompt token's logits; vLLM V1), but its blocks
         still enter the cache."""
         if seq.request.params.prompt_logprobs is not None:
@@ -316,23 +402,24 @@ class Scheduler:
         return self.prefix_cache.candidates(seq.block_hashes, (seq.num_tokens - 1) // self.block_size)
 
     def update_from_output(self, plan: Plan, output: ModelOutput) -> list[tuple[Sequence, int, int]]:
-        """Every transition one device call causes: the pool mirror, forked children joining,
-        computed tokens, the sampled tokens appended, device stops (stop token, length), and the
-        newly full blocks entered in the prefix cache -> (seq, output row, new tokens) of each
-        sequence that received tokens (finished ones included)."""
-        self.apply_pool_delta(output.delta)
+        """Every transition one device call causes: forked children joining, computed tokens, the
+        sampled tokens appended, device stops (stop token, length), and the newly full blocks
+        entered in the prefix cache -> (seq, output row, new tokens) of each sequence that received
+        tokens (finished ones included)."""
+        rows = [(seq, n) for seq, n in plan.scheduled]
         for child, parent in plan.forks:
             child.status = Status.RUNNING
             self.running.append(child)
             parent.children = []
-        row_of = {int(slot): i for i, slot in enumerate(output.delta.slots) if slot >= 0}
         progressed = []
-        for seq in list(self.running):
-            seq.num_computed = int(self.pool.lens[seq.slot])
-            row = row_of.get(seq.slot)
-            if row is None:
+        for row, (seq, n) in enumerate(rows + [(child, None) for child, _ in plan.forks]):
+            if seq.finished:  # finished while this overlapped call ran: what it sampled is discarded
                 continue
             taken = int(np.sum(output.tokens[row] >= 0))
+            if n is None:  # a forked child: the parent's computed prompt
+                seq.num_computed = seq.num_tokens
+            else:
+                seq.num_computed += taken if plan.is_decode else n
             seq.token_ids += output.tokens[row, :taken].tolist()
             seq.token_logprobs += output.logprob[row, :taken].tolist()
             # Prompt chunks too (a request admitted next step can hit them), and after the new
@@ -350,11 +437,6 @@ class Scheduler:
                 self.finish(seq, Status.FINISHED_LENGTH)
         return progressed
 
-    def apply_pool_delta(self, delta: PoolDelta) -> None:
-        """Mirror a device call's pool changes; the prefix cache forgets the blocks it handed out
-        again (vLLM's `_maybe_evict_cached_block`)."""
-        self.prefix_cache.evict(self.pool.apply(delta))
-
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Enter the sequence's computed full blocks in the prefix cache (prompt and output alike,
         so a follow-up turn that repeats the conversation hits)."""
@@ -362,9 +444,11 @@ class Scheduler:
             return
         extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.request.cache_salt)
         full = min(seq.num_computed, seq.num_tokens) // self.block_size
+        table = self.kv_manager.pool.block_tables[seq.slot]
+        marks = []
         for i in range(seq.num_cached_blocks, full):
-            block = int(self.pool.tables[seq.slot, i])
-            if block > 0 and self.prefix_cache.insert(seq.block_hashes[i], block, int(self.pool.version[block])):
-                self.pending_marks.append(block)
-                self.pool.cached[block] = True
+            block = int(table[i])
+            if block > 0 and self.prefix_cache.insert(seq.block_hashes[i], block, int(self.kv_manager.version(block))):
+                marks.append(block)
+        self.kv_manager.mark_cached(marks)
         seq.num_cached_blocks = max(seq.num_cached_blocks, full)

@@ -72,7 +72,7 @@ class _Search:
     max_steps: int  # output tokens: max_tokens, or fewer to stay within max_model_len
     beams: list[_Beam]
     completed: list[BeamSearchSequence] = dataclasses.field(default_factory=list)
-    forks: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (parent, child) slots, next call
+    forks: list[tuple[Sequence, Sequence]] = dataclasses.field(default_factory=list)  # (parent, child), next call
 
 
 def beam_search(engine, prompts: list[tuple[str | None, list[int]]],
@@ -120,29 +120,24 @@ def _search_group(engine, group, params: BeamSearchParams) -> list[BeamSearchOut
         _step(engine, search, out, [row], params)
     live = [s for s in searches if s.beams]
     while live:
-        engine.model_runner.apply_pool_ops(sched.take_pool_ops())  # dropped beams' blocks, before the forks
-        pairs, forked = [(parent, child) for s in live for parent, child in s.forks], None
-        if pairs:  # a parent holds every token of its beam, one fewer than its continuations
-            widest = max(s.beams[0].seq.num_tokens - 1 for s in live if s.forks)
-            forked = engine.model_runner.fork(pairs, -(-widest // engine.config.block_size))
+        # Dropped beams were freed; a kept beam's other continuations fork from it (a parent holds
+        # every token of its beam, one fewer than its continuations).
+        engine.model_runner.copy_blocks([sched.fork(parent, child) for s in live for parent, child in s.forks])
         for s in live:  # all beams of a search hold n output tokens: the device stops after one more
             s.request.params = dataclasses.replace(base, max_tokens=s.beams[0].seq.num_output + 1)
-        out = _call(engine, Plan(scheduled=[(b.seq, 1) for s in live for b in s.beams], is_decode=True), forked)
+        out = _call(engine, Plan(scheduled=[(b.seq, 1) for s in live for b in s.beams], is_decode=True))
         row = 0
         for s in live:
             rows, row = list(range(row, row + len(s.beams))), row + len(s.beams)
             _step(engine, s, out, rows, params)
         live = [s for s in live if s.beams]
-    engine.model_runner.apply_pool_ops(sched.take_pool_ops())
     return [_finish(engine, s, params) for s in searches]
 
 
-def _call(engine, plan: Plan, forked=None):
-    """Run the plan (after the forks dispatched before it, if any) and mirror what both changed."""
+def _call(engine, plan: Plan):
+    """Map the plan's tokens in the pool, then run it."""
+    engine.scheduler.reserve(plan)
     out = engine.model_runner.execute(plan)
-    if forked is not None:
-        engine.scheduler.apply_pool_delta(engine.model_runner.fetch_fork(forked))
-    engine.scheduler.apply_pool_delta(out.delta)
     k = engine.counters
     k["decode_calls" if plan.is_decode else "prefill_steps"] += 1
     k["peak_blocks_used"] = max(k["peak_blocks_used"], engine.config.num_blocks - 1 - engine.scheduler.num_free)
@@ -154,7 +149,7 @@ def _prefill(engine, searches: list[_Search]) -> list[tuple[object, int]]:
     output and row of its last chunk (which scores its first output token)."""
     last, budget_cap = {}, engine.config.max_num_batched_tokens
     while len(last) < len(searches):
-        plan, budget = engine.scheduler.take_pool_ops(), budget_cap
+        plan, budget = Plan(), budget_cap
         for search in searches:
             seq = search.beams[0].seq
             n = min(seq.num_tokens - seq.num_computed, budget)
@@ -196,13 +191,14 @@ def _step(engine, search: _Search, out, rows: list[int], params: BeamSearchParam
             engine.scheduler.finish(beam.seq, Status.FINISHED_LENGTH)
     beams, taken, search.forks = [], set(), []
     for _, parent, token, entry, cum in kept:
-        seq = Sequence(search.request, 0, parent.seq.token_ids + [token], parent.seq.key, status=Status.RUNNING)
+        seq = Sequence(search.request, 0, parent.seq.token_ids + [token], parent.seq.key, status=Status.RUNNING,
+                       num_computed=parent.seq.num_tokens)
         beams.append(_Beam(seq, cum, parent.logprobs + [entry]))
         if last:
             continue
         if id(parent) in taken:
             seq.slot = engine.scheduler.take_slot()
-            search.forks.append((parent.seq.slot, seq.slot))
+            search.forks.append((parent.seq, seq))
         else:
             seq.slot = parent.seq.slot
             taken.add(id(parent))

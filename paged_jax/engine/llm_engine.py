@@ -32,14 +32,19 @@ class LLMEngine:
                  max_num_batched_tokens=None,
                  max_model_len=None, num_decode_steps=8, long_prefill_token_threshold=0,
                  enable_prefix_caching=True, attention_backend="auto", seed=0, mesh=None, log_stats=True,
-                 kv_cache_dtype="auto", preemption_mode="recompute", swap_space=4, enable_host_prefix_cache=False):
+                 kv_cache_dtype="auto", preemption_mode="recompute", swap_space=4, enable_host_prefix_cache=False,
+                 async_scheduling=True):
         """`mesh`: a jax Mesh with a "model" axis for tensor parallelism (paged_jax.worker.sharding).
         `kv_cache_dtype`: "auto" (the model's dtype), "int8" or "fp8_e4m3" (quantized pages).
         `preemption_mode`: "recompute" (vLLM V1) drops a preempted request's blocks; "swap" (vLLM V0,
         the paper's section 4.5) copies them to `swap_space` GiB of host memory and back when it
         resumes, recomputing only when the host pool is full. `enable_host_prefix_cache`: the
         prefix cache's blocks that the device evicts are kept in that host memory too (least
-        recently used first out), and a prefix hit on one copies it back instead of computing it."""
+        recently used first out), and a prefix hit on one copies it back instead of computing it.
+        `async_scheduling` (vLLM's name): while the device runs a decode call, the host plans and
+        dispatches the next one and then processes the first's output, so the device does not wait
+        on the host; outputs are the serial engine's (False: each call is planned after the one
+        before is processed)."""
         if mesh is not None:
             model = sharding.shard_model(model, mesh)
         self.mesh = mesh
@@ -78,6 +83,8 @@ class LLMEngine:
             host_pool=HostBlockPool(self.model_runner.num_host_blocks) if c.uses_host_memory else None,
             swap_preemption=c.preemption_mode == "swap", host_tier=c.enable_host_prefix_cache,
             num_decode_steps=c.num_decode_steps)
+        self.async_scheduling = bool(async_scheduling)
+        self._in_flight: model_runner.Call | None = None  # a decode call dispatched, not yet processed
         self.requests: dict[str, Request] = {}
         self._finished_outside_step: set[str] = set()  # rejected or aborted: reported by the next step
         self.seed = seed
@@ -87,7 +94,7 @@ class LLMEngine:
         self._request_counter = itertools.count()  # arrival indices seed unseeded requests
         self.counters = dict(prompt_tokens=0, generation_tokens=0, prefill_tokens=0, prefill_steps=0,
                              decode_calls=0, decode_steps=0, model_steps=0, running_steps=0,
-                             max_num_running=0, busy_seconds=0.0, peak_blocks_used=0)
+                             max_num_running=0, busy_seconds=0.0, peak_blocks_used=0, overlapped_calls=0)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -169,7 +176,7 @@ class LLMEngine:
             self._finished_outside_step.add(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return any(not r.finished for r in self.requests.values())
+        return self._in_flight is not None or any(not r.finished for r in self.requests.values())
 
     def get_num_unfinished_requests(self) -> int:
         return sum(not r.finished for r in self.requests.values())
@@ -179,31 +186,29 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one device call; return the outputs of requests that progressed or finished."""
         touched, self._finished_outside_step = self._finished_outside_step, set()
-        if self.scheduler.has_work:
-            start = time.perf_counter()
+        start = time.perf_counter()
+        call, self._in_flight = self._in_flight, None
+        if call is not None:  # overlapped: dispatch the next decode call, then process this one
+            after = self.scheduler.schedule_continuation(call.plan)
+            if after is not None:
+                self._count_plan(after)
+                self.counters["overlapped_calls"] += 1
+                self._in_flight = self.model_runner.dispatch(after, prev=call)
+        elif self.scheduler.has_work:
             plan = self.scheduler.schedule()
             if not plan.scheduled:
                 stuck = self.scheduler.waiting[0].request.request_id
                 raise RuntimeError(f"internal error: nothing can run, request {stuck!r} waits forever")
             self._count_plan(plan)
-            output = self.model_runner.execute(plan)
-            if output.prompt_logprobs is not None:
-                self.output_processor.process_prompt_logprobs(plan, output.prompt_logprobs)
-            for seq, row, n in self.scheduler.update_from_output(plan, output):
-                before = seq.num_output - n
-                if self.output_processor.process(seq, output, row, n):  # a stop string ended it
-                    self.scheduler.finish(seq, Status.FINISHED_STOPPED)
-                self.counters["generation_tokens"] += seq.num_output - before
-                seq.request.first_token_time = seq.request.first_token_time or time.monotonic()
-                if seq.request.finished:
-                    seq.request.finish_time = seq.request.finish_time or time.monotonic()
-                touched.add(seq.request.request_id)
-            self._count_steps(plan, int(output.steps))
-            self.counters["busy_seconds"] += time.perf_counter() - start
-            used = self.config.num_blocks - 1 - self.scheduler.num_free
-            self.counters["peak_blocks_used"] = max(self.counters["peak_blocks_used"], used)
-        if not self.scheduler.has_work:  # going idle: free the finished sequences' blocks now
-            self.model_runner.apply_pool_ops(self.scheduler.take_pool_ops())
+            call = self.model_runner.dispatch(plan)
+            if plan.is_decode and self.async_scheduling:  # processed next step, the next call running
+                self._in_flight = call
+                call = None
+        if call is not None:
+            self._process(call, touched)
+        self.counters["busy_seconds"] += time.perf_counter() - start
+        used = self.config.num_blocks - 1 - self.scheduler.num_free
+        self.counters["peak_blocks_used"] = max(self.counters["peak_blocks_used"], used)
         outputs = []
         for request_id in touched:
             request = self.requests[request_id]
@@ -212,6 +217,22 @@ class LLMEngine:
             if request.finished:
                 del self.requests[request_id]
         return outputs
+
+    def _process(self, call: model_runner.Call, touched: set[str]) -> None:
+        """Fetch a call's output and apply it: scheduler transitions, then text and stop strings."""
+        plan, output = call.plan, self.model_runner.fetch(call)
+        if output.prompt_logprobs is not None:
+            self.output_processor.process_prompt_logprobs(plan, output.prompt_logprobs)
+        for seq, row, n in self.scheduler.update_from_output(plan, output):
+            before = seq.num_output - n
+            if self.output_processor.process(seq, output, row, n):  # a stop string ended it
+                self.scheduler.finish(seq, Status.FINISHED_STOPPED)
+            self.counters["generation_tokens"] += seq.num_output - before
+            seq.request.first_token_time = seq.request.first_token_time or time.monotonic()
+            if seq.request.finished:
+                seq.request.finish_time = seq.request.finish_time or time.monotonic()
+            touched.add(seq.request.request_id)
+        self._count_steps(plan, int(output.steps))
 
     def _count_plan(self, plan):
         k = self.counters
@@ -273,10 +294,7 @@ class LLMEngine:
         finally:
             jax.monitoring.unregister_event_duration_listener(listen)
         self.reset_prefix_cache()
-        self.prefix_cache.queries = self.prefix_cache.hits = 0
-        self.scheduler.num_preemptions = self.scheduler.num_swap_preemptions = 0
-        self.scheduler.num_swap_fallbacks = self.scheduler.num_recomputed_tokens = 0
-        self.scheduler.num_tier_hit_tokens = 0
+        self.scheduler.reset_counters()
         self.model_runner.reset_counters()
         self._reset_counters()
         return {"programs": events.count("/jax/core/compile/backend_compile_duration"),
@@ -285,18 +303,18 @@ class LLMEngine:
 
     @property
     def state(self):
-        """The device state (KV pages, block pool, sampling state)."""
+        """The device state (KV pages, sampling state)."""
         return self.model_runner.state
+
+    @property
+    def block_pool(self):
+        """The block pool (host arrays; its one owner is the scheduler's KV-cache manager)."""
+        return self.scheduler.kv_manager.pool
 
     def reset_prefix_cache(self) -> bool:
         """Forget every prefix-cache entry (vLLM's name); False, changing nothing, while any block is
         held by a request."""
-        self.model_runner.apply_pool_ops(self.scheduler.take_pool_ops())
-        if self.scheduler.num_free != self.config.num_blocks - 1:
-            return False
-        self.scheduler.reset_prefix_cache()
-        self.model_runner.reset_prefix_cache()
-        return True
+        return self.scheduler.reset_prefix_cache()
 
     # -- metrics -------------------------------------------------------------------------------
 
@@ -321,5 +339,6 @@ class LLMEngine:
             prefill_tokens=k["prefill_tokens"], max_num_running=k["max_num_running"],
             mean_num_running=k["running_steps"] / max(k["model_steps"], 1),
             prefill_steps=k["prefill_steps"], decode_calls=k["decode_calls"], decode_steps=k["decode_steps"],
+            overlapped_calls=k["overlapped_calls"],
             busy_seconds=k["busy_seconds"], generation_throughput=k["generation_tokens"] / busy,
             **self.model_runner.counters)

@@ -57,7 +57,8 @@ class LLM:
                  max_model_len=None, enable_prefix_caching=True, dtype=None, attention_backend="auto",
                  seed=0, tensor_parallel_size=1, mesh=None, num_decode_steps=8,
                  long_prefill_token_threshold=0, log_stats=True, kv_cache_dtype="auto",
-                 preemption_mode="recompute", swap_space=4, enable_host_prefix_cache=False):
+                 preemption_mode="recompute", swap_space=4, enable_host_prefix_cache=False,
+                 async_scheduling=True):
         """`model`: a checkpoint directory (Hugging Face safetensors or a converted Orbax one), a GGUF
         file (dequantized at load) or a model object (e.g. `models.Llama`), with an optional
         `tokenizer`. Memory, as vLLM's:
@@ -68,7 +69,7 @@ class LLM:
         pages quantized with a scale per (token, KV head), about half (bf16) or a quarter (f32) of
         the bytes per block, so more blocks in the same budget.
         `preemption_mode` "recompute" | "swap", `swap_space` (GiB of host memory),
-        `enable_host_prefix_cache`: see LLMEngine."""
+        `enable_host_prefix_cache`, `async_scheduling`: see LLMEngine."""
         if mesh is None and tensor_parallel_size != 1:
             mesh = make_mesh(tensor_parallel_size)
         elif mesh is not None and tensor_parallel_size not in (1, mesh.shape.get(AXIS)):
@@ -87,7 +88,8 @@ class LLM:
             num_decode_steps=num_decode_steps, long_prefill_token_threshold=long_prefill_token_threshold,
             enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend, seed=seed,
             mesh=mesh, log_stats=log_stats, kv_cache_dtype=kv_cache_dtype, preemption_mode=preemption_mode,
-            swap_space=swap_space, enable_host_prefix_cache=enable_host_prefix_cache)
+            swap_space=swap_space, enable_host_prefix_cache=enable_host_prefix_cache,
+            async_scheduling=async_scheduling)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

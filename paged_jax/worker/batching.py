@@ -29,35 +29,21 @@ def token_bucket(n: int, cap: int) -> int:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class PoolOps:
-    """Pool operations the host decided since the last call, applied before it: cache marks first,
-    then sliding-window skips and frees (so a released block that now holds an entry goes to the
-    cached end of the queue)."""
-
-    mark_ids: np.ndarray  # i32[m]; blocks that now hold a prefix-cache entry, 0 pad
-    free_slots: np.ndarray  # i32[f]; finished, aborted or preempted slots, -1 pad
-    skip_slots: np.ndarray  # i32[s]; slots whose leading blocks left the sliding window, -1 pad
-    num_skipped: np.ndarray  # i32[s]; entries [0, num_skipped) of each become the null block
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
 class PrefillBatch:
-    """A ragged batch of B rows (scheduled sequences and forked children) and T tokens; tables are W
-    wide (the shape of `hits`)."""
+    """A ragged batch of B rows (scheduled sequences and forked children) and T tokens, over block
+    tables W wide that the host's pool already holds (prefix hits, growth and forks included)."""
 
     slots: np.ndarray  # i32[B]; sequence slot of each row, -1 pad
     tokens: np.ndarray  # i32[T]
     positions: np.ndarray  # i32[T]
     token_row: np.ndarray  # i32[T]; row of each token, -1 pad
+    slot_mapping: np.ndarray  # i32[T]; KV slot each token writes, -1 pad
+    block_tables: np.ndarray  # i32[B, W]
     query_start_loc: np.ndarray  # i32[B + 1]
     attn_seq_lens: np.ndarray  # i32[B]; tokens in the cache once this batch is written
-    new_lens: np.ndarray  # i32[B]; pool growth targets
-    hits: np.ndarray  # i32[B, W]; prefix-hit blocks of newly admitted rows
-    hit_versions: np.ndarray  # i32[B, W]
-    num_hits: np.ndarray  # i32[B]
     logits_rows: np.ndarray  # i32[B]; token whose logits the row samples from, -1 none
-    fork_parent: np.ndarray  # i32[B]; row of the parent a child forks from, -1 none
+    copy_src: np.ndarray  # i32[F]; forks' tail blocks, copied after the forward, -1 pad
+    copy_dst: np.ndarray  # i32[F]
     num_output: np.ndarray  # i32[B]; output tokens counting the one sampled now
     total_len: np.ndarray  # i32[B]; tokens counting the one sampled now
     # prompt_logprobs: batch token i's logits score prompt token prompt_lp_positions[i] of row
@@ -66,34 +52,26 @@ class PrefillBatch:
     prompt_lp_targets: np.ndarray  # i32[P]
     prompt_lp_rows: np.ndarray  # i32[P]; -1 pad
     prompt_lp_positions: np.ndarray  # i32[P]
-    # Blocks loaded from host memory (swapped in, host prefix cache hits): block j goes to table
-    # entry (swap_rows[j], swap_cols[j]) of the batch (-1 pad); S = 0 when none is.
-    swap_rows: np.ndarray  # i32[S]
-    swap_cols: np.ndarray  # i32[S]
+    # Blocks loaded from host memory (swapped in, host prefix cache hits): host block j goes to
+    # device block swap_blocks[j] (-1 pad); S = 0 when none is.
+    swap_blocks: np.ndarray  # i32[S]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeBatch:
-    """B running sequences, each with one sampled token not yet in the cache."""
+    """B running sequences, each with one sampled token not yet in the cache, over tables W wide
+    holding the blocks of their next num_steps tokens (reserved by the host)."""
 
     slots: np.ndarray  # i32[B]; -1 pad
+    block_tables: np.ndarray  # i32[B, W]
+    positions: np.ndarray  # i32[B]; position of each row's last token (its K/V is written first)
+    num_mapped: np.ndarray  # i32[B]; token slots the row's table maps: it pauses there
+    live: np.ndarray  # bool[B]; rows that run (not padding, not finished)
     last_tokens: np.ndarray  # i32[B]
     num_output: np.ndarray  # i32[B]; output tokens so far
     total_len: np.ndarray  # i32[B]; prompt + output tokens so far
     stop_on_finish: np.ndarray  # bool[]; leave as soon as one sequence finishes (requests wait)
-
-
-def pool_ops(plan: Plan, mark_cap: int) -> PoolOps:
-    marks = np.zeros(bucket(len(plan.marks), mark_cap, 8), np.int32)
-    marks[: len(plan.marks)] = plan.marks
-    free = np.full(bucket(len(plan.free_slots), 1 << 30, 8), -1, np.int32)
-    free[: len(plan.free_slots)] = plan.free_slots
-    skip_slots = np.full(bucket(len(plan.skips), 1 << 30, 8), -1, np.int32)
-    num_skipped = np.zeros_like(skip_slots)
-    for i, (slot, n) in enumerate(plan.skips):
-        skip_slots[i], num_skipped[i] = slot, n
-    return PoolOps(mark_ids=marks, free_slots=free, skip_slots=skip_slots, num_skipped=num_skipped)
 
 
 def padded(ids, fill=0) -> np.ndarray:
@@ -107,22 +85,27 @@ def prefill_rows(plan: Plan) -> list[Sequence]:
     return [s for s, _ in plan.scheduled] + [child for child, _ in plan.forks]
 
 
+def _tables(plan: Plan, num_rows: int, max_blocks_per_seq: int) -> np.ndarray:
+    """The plan's block tables padded to `num_rows` rows and a bucketed width (null entries)."""
+    rows, widest = plan.block_tables.shape
+    width = bucket(widest, max_blocks_per_seq, MIN_WIDTH_BUCKET)
+    tables = np.zeros((num_rows, width), np.int32)
+    tables[:rows, :widest] = plan.block_tables
+    return tables
+
+
 def prefill_batch(plan: Plan, *, block_size: int, max_num_seqs: int, max_blocks_per_seq: int,
                   token_cap: int) -> PrefillBatch:
     rows = prefill_rows(plan)
     index = {seq.slot: i for i, seq in enumerate(rows)}
     num_rows = bucket(len(rows), max_num_seqs)
-    widest = max(-(-(seq.num_computed + n) // block_size) for seq, n in plan.scheduled)
-    width = bucket(widest, max_blocks_per_seq, MIN_WIDTH_BUCKET)
     size = token_bucket(sum(n for _, n in plan.scheduled), token_cap)
     i32 = np.int32
+    tables = _tables(plan, num_rows, max_blocks_per_seq)
     b = dict(slots=np.full(num_rows, -1, i32), tokens=np.zeros(size, i32), positions=np.zeros(size, i32),
-             token_row=np.full(size, -1, i32), query_start_loc=np.zeros(num_rows + 1, i32),
-             attn_seq_lens=np.zeros(num_rows, i32), new_lens=np.zeros(num_rows, i32),
-             hits=np.zeros((num_rows, width), i32), hit_versions=np.zeros((num_rows, width), i32),
-             num_hits=np.zeros(num_rows, i32), logits_rows=np.full(num_rows, -1, i32),
-             fork_parent=np.full(num_rows, -1, i32), num_output=np.zeros(num_rows, i32),
-             total_len=np.zeros(num_rows, i32))
+             token_row=np.full(size, -1, i32), block_tables=tables, query_start_loc=np.zeros(num_rows + 1, i32),
+             attn_seq_lens=np.zeros(num_rows, i32), logits_rows=np.full(num_rows, -1, i32),
+             num_output=np.zeros(num_rows, i32), total_len=np.zeros(num_rows, i32))
     b["slots"][: len(rows)] = [seq.slot for seq in rows]
     at = 0
     for i, (seq, n) in enumerate(plan.scheduled):
@@ -130,26 +113,25 @@ def prefill_batch(plan: Plan, *, block_size: int, max_num_seqs: int, max_blocks_
         b["tokens"][at:at + n] = seq.token_ids[start:end]
         b["positions"][at:at + n] = np.arange(start, end)
         b["token_row"][at:at + n] = i
-        b["attn_seq_lens"][i] = b["new_lens"][i] = end
+        b["attn_seq_lens"][i] = end
         if end == seq.num_tokens:  # the chunk completes what is known: sample the next token
             b["logits_rows"][i] = at + n - 1
             b["num_output"][i], b["total_len"][i] = seq.num_output + 1, seq.num_tokens + 1
         at += n
         b["query_start_loc"][i + 1] = at
     b["query_start_loc"][len(plan.scheduled) + 1:] = at
+    live = b["token_row"] >= 0
+    pos = b["positions"]
+    block = tables[np.maximum(b["token_row"], 0), np.minimum(pos // block_size, tables.shape[1] - 1)]
+    b["slot_mapping"] = np.where(live & (block > 0), block * block_size + pos % block_size, -1).astype(i32)
     b.update(_prompt_logprob_entries(plan, size))
-    rows, cols = [], []
-    for slot, ids, first in plan.host_loads:
-        rows += [index[slot]] * len(ids)
-        cols += range(first, first + len(ids))
-    b["swap_rows"], b["swap_cols"] = padded(rows, -1) if rows else np.zeros(0, i32), padded(cols) if rows else np.zeros(0, i32)
-    for slot, (hits, versions) in plan.admitted.items():
-        b["hits"][index[slot], : len(hits)] = hits
-        b["hit_versions"][index[slot], : len(hits)] = versions
-        b["num_hits"][index[slot]] = len(hits)
+    loads = [tables[index[slot], first + j] for slot, ids, first in plan.host_loads for j in range(len(ids))]
+    b["swap_blocks"] = padded(loads, -1) if loads else np.zeros(0, i32)
+    b["copy_src"] = padded([s for s, _ in plan.copies], -1) if plan.copies else np.zeros(0, i32)
+    b["copy_dst"] = padded([d for _, d in plan.copies], -1) if plan.copies else np.zeros(0, i32)
     for child, parent in plan.forks:
         i, p = index[child.slot], index[parent.slot]
-        b["fork_parent"][i], b["logits_rows"][i] = p, b["logits_rows"][p]
+        b["logits_rows"][i] = b["logits_rows"][p]
         b["num_output"][i], b["total_len"][i] = 1, parent.num_tokens + 1
     return PrefillBatch(**b)
 
@@ -177,20 +159,20 @@ def _prompt_logprob_entries(plan: Plan, cap: int) -> dict:
     return out
 
 
-def decode_batch(plan: Plan, *, block_size: int, max_num_seqs: int, max_blocks_per_seq: int,
-                 num_steps: int) -> tuple[DecodeBatch, int]:
-    """-> (batch, table width covering `num_steps` more tokens of every row)."""
+def decode_batch(plan: Plan, *, max_num_seqs: int, max_blocks_per_seq: int) -> DecodeBatch:
     seqs = [seq for seq, _ in plan.scheduled]
     num_rows = bucket(len(seqs), max_num_seqs)
-    widest = max(-(-(seq.num_tokens - 1 + num_steps) // block_size) for seq in seqs)
     i32 = np.int32
-    b = dict(slots=np.full(num_rows, -1, i32), last_tokens=np.zeros(num_rows, i32),
+    b = dict(slots=np.full(num_rows, -1, i32), positions=np.zeros(num_rows, i32), num_mapped=np.zeros(num_rows, i32),
+             last_tokens=np.zeros(num_rows, i32),
              num_output=np.zeros(num_rows, i32), total_len=np.zeros(num_rows, i32))
     for i, seq in enumerate(seqs):
         b["slots"][i], b["last_tokens"][i] = seq.slot, seq.token_ids[-1]
+        b["positions"][i] = seq.num_tokens - 1
         b["num_output"][i], b["total_len"][i] = seq.num_output, seq.num_tokens
-    batch = DecodeBatch(**b, stop_on_finish=np.bool_(plan.num_waiting > 0))
-    return batch, bucket(widest, max_blocks_per_seq, MIN_WIDTH_BUCKET)
+    b["num_mapped"][: len(seqs)] = plan.num_mapped
+    return DecodeBatch(**b, block_tables=_tables(plan, num_rows, max_blocks_per_seq), live=b["slots"] >= 0,
+                       stop_on_finish=np.bool_(plan.num_waiting > 0))
 
 
 def stop_ids(seq: Sequence, eos_token_ids) -> list[int]:

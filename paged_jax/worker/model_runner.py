@@ -9,12 +9,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax.core import block_pool
 from paged_jax.core.model_output import ModelOutput
 from paged_jax.core.scheduler import Plan
 from paged_jax.engine.sampling_params import SAMPLING_EPS
-from paged_jax.worker import batching, runner, sharding, swap
+from paged_jax.worker import batching, runner, sampler, sharding, swap
 from paged_jax.worker.attention import cache_layout
+
+
+@dataclasses.dataclass
+class Call:
+    """A dispatched device call whose output the host has not fetched yet."""
+
+    plan: Plan
+    out: ModelOutput  # device arrays
+    batch: object  # the batch as the call read it (a continuation builds on it)
+    sp: sampler.SlotParams
+    start: float  # perf_counter at dispatch
+    copying: object  # device -> host copies in flight (`_start_copy_out`)
+    kind: str  # "decode_" or "": the counters it adds to
 
 
 class ModelRunner:
@@ -33,10 +45,8 @@ class ModelRunner:
             shape = jax.eval_shape(lambda: model.init_cache(c.num_blocks, c.block_size, **kw))
             cache = jax.jit(lambda: model.init_cache(c.num_blocks, c.block_size, **kw),
                             out_shardings=sharding.named(sharding.cache_specs(shape), mesh))()
-        pool = block_pool.init(c.num_blocks, c.block_size, c.max_num_seqs, c.max_blocks_per_seq)
         empty = np.zeros((c.max_num_seqs, 0))
-        self.state = runner.DeviceState(cache=cache, pool=self._replicate(pool),
-                                        output_counts=self._replicate(empty.astype(np.int32)),
+        self.state = runner.DeviceState(cache=cache, output_counts=self._replicate(empty.astype(np.int32)),
                                         prompt_mask=self._replicate(empty.astype(bool)))
         # Swapping and the host prefix cache: swap_space GiB of host blocks, each as large as a device block.
         self.host_block_bytes = swap.HostKVCache.block_bytes(cache)
@@ -54,84 +64,67 @@ class ModelRunner:
                              host_prefix_cache_bytes_out=0, host_prefix_cache_bytes_in=0)
 
     def _replicate(self, x):
-        """The pool and sampling state: one copy on every device of the mesh."""
+        """The sampling state: one copy on every device of the mesh."""
         return x if self.mesh is None else sharding.replicate(x, self.mesh)
 
     # -- one call ------------------------------------------------------------------------------
 
     def execute(self, plan: Plan) -> ModelOutput:
-        self.apply_pool_ops(plan)
+        """Run the plan's call and fetch its output."""
+        return self.fetch(self.dispatch(plan))
+
+    def dispatch(self, plan: Plan, prev: Call | None = None) -> Call:
+        """Start the plan's call without waiting for it. `prev`: the decode call dispatched before,
+        not yet fetched, that this decode call continues (overlapped scheduling): its rows, in the
+        same order, resume on the device from its output."""
         c = self.config
         copying = self._start_copy_out(plan)
+        start = time.perf_counter()
         if plan.is_decode:
             seqs = [seq for seq, _ in plan.scheduled]
-            batch, width = batching.decode_batch(plan, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
-                                                 max_blocks_per_seq=c.max_blocks_per_seq,
-                                                 num_steps=c.num_decode_steps)
-            sp = self._row_params(seqs, batch.slots.shape[0])
-            start = time.perf_counter()
+            batch = batching.decode_batch(plan, max_num_seqs=c.max_num_seqs, max_blocks_per_seq=c.max_blocks_per_seq)
+            if prev is None:
+                sp, sent = self._row_params(seqs, batch.slots.shape[0]), (batch,)
+            else:
+                sp, sent = prev.sp, (batch.slots, batch.block_tables, batch.num_mapped)
+                batch = runner.continue_decode(prev.batch, prev.out, *sent)
             self.state, out = runner.decode_steps(self.graphdef, self.params, self.state, batch, sp,
-                                                  flags=self._flags(seqs), num_steps=c.num_decode_steps, width=width)
-            self._finish_copy_out(plan, copying)
-            return self._fetch("decode_", out, start, batch, sp)
+                                                  flags=self._flags(seqs), num_steps=c.num_decode_steps)
+            return Call(plan, out, batch, sp, start, copying, self._count_sent("decode_", sent, sp if prev is None else ()))
         seqs = batching.prefill_rows(plan)
         self._reset_penalty_rows([s for s, _ in plan.scheduled if s.slot in plan.admitted]
                                  + [child for child, _ in plan.forks])
         batch = batching.prefill_batch(plan, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
                                        max_blocks_per_seq=c.max_blocks_per_seq, token_cap=c.max_num_batched_tokens)
         sp = self._row_params(seqs, batch.slots.shape[0])
-        start = time.perf_counter()
-        self.state, out, ok = runner.prefill_step(self.graphdef, self.params, self.state, batch, sp,
-                                                  self._load(plan, batch), flags=self._prefill_flags(seqs, plan, batch))
-        self._finish_copy_out(plan, copying)
-        out = self._fetch("", (out, ok), start, batch, sp)
-        if not out[1]:
-            raise RuntimeError("internal error: the device pool refused an operation the scheduler planned")
-        return out[0]
+        self.state, out = runner.prefill_step(self.graphdef, self.params, self.state, batch, sp,
+                                              self._load(plan, batch), flags=self._prefill_flags(seqs, plan, batch))
+        return Call(plan, out, batch, sp, start, copying, self._count_sent("", (batch,), sp))
 
-    def _fetch(self, kind, out, start, *inputs):
-        out = jax.device_get(out)
+    def fetch(self, call: Call) -> ModelOutput:
+        """Wait for the call and bring its output to the host."""
+        out = jax.device_get(call.out)
+        self._finish_copy_out(call.plan, call.copying)
         k = self.counters
-        k["device_seconds"] += time.perf_counter() - start
-        sent = sum(np.asarray(x).nbytes for x in jax.tree.leaves(inputs))
+        k["device_seconds"] += time.perf_counter() - call.start
         got = sum(np.asarray(x).nbytes for x in jax.tree.leaves(out))
-        for prefix in {"", kind}:
-            k[prefix + "bytes_to_device"] += sent
+        for prefix in {"", call.kind}:
             k[prefix + "bytes_from_device"] += got
         return out
 
-    def apply_pool_ops(self, plan: Plan) -> None:
-        """The plan's cache marks and frees (before its step, or alone when the engine goes idle)."""
-        if plan.marks or plan.free_slots or plan.skips:
-            cap = self.config.max_blocks_per_seq
-            width = batching.bucket(max(plan.free_blocks, 1), cap, batching.MIN_WIDTH_BUCKET)
-            skipped = max((n for _, n in plan.skips), default=0)
-            skip_width = skipped and batching.bucket(skipped, cap, batching.MIN_WIDTH_BUCKET)
-            ops = batching.pool_ops(plan, self.config.num_blocks)
-            self.counters["bytes_to_device"] += sum(x.nbytes for x in jax.tree.leaves(ops))
-            self.state = runner.apply_pool_ops(self.state, ops, width=width, skip_width=skip_width)
+    def _count_sent(self, kind, *inputs) -> str:
+        sent = sum(np.asarray(x).nbytes for x in jax.tree.leaves(inputs))
+        for prefix in {"", kind}:
+            self.counters[prefix + "bytes_to_device"] += sent
+        return kind
 
-    def fork(self, pairs: list[tuple[int, int]], max_blocks: int):
-        """Fork each (parent slot, child slot) copy-on-write before the next call (beam search);
-        the frees planned before it must already be applied. `max_blocks`: the most blocks a parent
-        holds. Dispatched, not waited for -> the device's (PoolDelta, ok), for `fetch_fork` after
-        the next call's output is in: the host waits once per step, not twice."""
-        c = self.config
-        num = batching.bucket(len(pairs), 1 << 30, 8)
-        parents, children = np.full(num, -1, np.int32), np.full(num, -1, np.int32)
-        parents[: len(pairs)], children[: len(pairs)] = zip(*pairs)
-        width = batching.bucket(max_blocks, c.max_blocks_per_seq, batching.MIN_WIDTH_BUCKET)
-        self.counters["bytes_to_device"] += parents.nbytes + children.nbytes
-        self.state, delta, ok = runner.fork_slots(self.state, parents, children, width=width,
-                                                  backend=c.attention_backend)
-        return delta, ok
-
-    def fetch_fork(self, forked):
-        """`fork`'s result on the host -> its PoolDelta."""
-        delta, ok = self._fetch("", forked, time.perf_counter())
-        if not ok:
-            raise RuntimeError("internal error: the device pool refused a fork the host planned")
-        return delta
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write copies (src, dst) the host decided between steps (beam search's forks),
+        dispatched before the next call, which the device runs after them."""
+        if copies:
+            src, dst = batching.padded([s for s, _ in copies], -1), batching.padded([d for _, d in copies], -1)
+            self.counters["bytes_to_device"] += src.nbytes + dst.nbytes
+            self.state = runner.copy_blocks_step(self.state, src, dst, backend=self.config.attention_backend)
 
     def _start_copy_out(self, plan: Plan):
         """Dispatch the gather of the plan's device -> host copies (swapped victims, blocks the host
@@ -158,12 +151,12 @@ class ModelRunner:
 
     def _load(self, plan: Plan, batch: batching.PrefillBatch):
         """The host blocks the plan loads (rows resuming after a swap, host prefix cache hits), in
-        the order of batch.swap_rows: one host read for all of them, scattered by the prefill step
+        the order of batch.swap_blocks: one host read for all of them, scattered by the prefill step
         -> the blocks (numpy), or None when the plan loads none."""
         host_ids = [h for _, ids, _ in plan.host_loads for h in ids]
         if not host_ids:
             return None
-        blocks = self.host_cache.read(np.pad(host_ids, (0, batch.swap_rows.shape[0] - len(host_ids))))
+        blocks = self.host_cache.read(np.pad(host_ids, (0, batch.swap_blocks.shape[0] - len(host_ids))))
         k, size = self.counters, self.host_block_bytes
         swapped, tier = (sum(len(ids) for _, ids, _ in loads) for loads in (plan.swap_in, plan.tier_in))
         k["num_blocks_swapped_in"] += swapped
@@ -172,9 +165,6 @@ class ModelRunner:
         k["host_prefix_cache_bytes_in"] += tier * size
         k["bytes_to_device"] += sum(x.nbytes for x in jax.tree.leaves(blocks))
         return blocks
-
-    def reset_prefix_cache(self) -> None:
-        self.state = runner.uncache_all(self.state)
 
     # -- inputs --------------------------------------------------------------------------------
 
@@ -198,7 +188,7 @@ class ModelRunner:
         if batch.prompt_lp_tokens.shape[0]:  # some row scores prompt tokens this step
             n = max(s.request.params.prompt_logprobs or 0 for s, _ in plan.scheduled)
             top = 0 if n == 0 else 1 << (n - 1).bit_length()
-        return dataclasses.replace(self._flags(seqs), forks=bool(plan.forks), random=True, num_prompt_logprobs=top)
+        return dataclasses.replace(self._flags(seqs), forks=bool(plan.copies), random=True, num_prompt_logprobs=top)
 
     def _reset_penalty_rows(self, seqs):
         """Newly admitted or forked rows that use penalties start from their own tokens; the
@@ -236,9 +226,8 @@ def activation_bytes(model, num_tokens: int, max_num_seqs: int, max_model_len: i
     width = -(-max_model_len // block_size)
     cache = jax.eval_shape(lambda: model.init_cache(2, block_size, layout=cache_layout(backend),
                                                     kv_cache_dtype=kv_cache_dtype))
-    pool = jax.eval_shape(lambda: block_pool.init(2, block_size, num_rows, width))
     empty = jax.ShapeDtypeStruct((num_rows, 0), jnp.int32)
-    state = runner.DeviceState(cache=cache, pool=pool, output_counts=empty,
+    state = runner.DeviceState(cache=cache, output_counts=empty,
                                prompt_mask=jax.ShapeDtypeStruct((num_rows, 0), bool))
 
     def i32(*shape):
@@ -246,11 +235,11 @@ def activation_bytes(model, num_tokens: int, max_num_seqs: int, max_model_len: i
 
     batch = batching.PrefillBatch(
         slots=i32(num_rows), tokens=i32(num_tokens), positions=i32(num_tokens), token_row=i32(num_tokens),
-        query_start_loc=i32(num_rows + 1), attn_seq_lens=i32(num_rows), new_lens=i32(num_rows),
-        hits=i32(num_rows, width), hit_versions=i32(num_rows, width), num_hits=i32(num_rows),
-        logits_rows=i32(num_rows), fork_parent=i32(num_rows), num_output=i32(num_rows), total_len=i32(num_rows),
+        slot_mapping=i32(num_tokens), block_tables=i32(num_rows, width),
+        query_start_loc=i32(num_rows + 1), attn_seq_lens=i32(num_rows), logits_rows=i32(num_rows),
+        copy_src=i32(0), copy_dst=i32(0), num_output=i32(num_rows), total_len=i32(num_rows),
         prompt_lp_tokens=i32(0), prompt_lp_targets=i32(0), prompt_lp_rows=i32(0), prompt_lp_positions=i32(0),
-        swap_rows=i32(0), swap_cols=i32(0))
+        swap_blocks=i32(0))
     sp = batching.row_params([], num_rows, (), max_model_len)
     compiled = runner.prefill_step.lower(graphdef, params, state, batch, sp, flags=runner.Flags(backend)).compile()
     return int(compiled.memory_analysis().temp_size_in_bytes)

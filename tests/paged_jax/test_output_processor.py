@@ -8,7 +8,7 @@ import tokenizers
 
 from models.tokenizer import Tokenizer, load_tokenizer
 from paged_jax import SamplingParams
-from paged_jax.core.model_output import ModelOutput, PoolDelta
+from paged_jax.core.model_output import ModelOutput
 from paged_jax.core.sequence import Request, Sequence, Status
 from paged_jax.engine.output_processor import OutputProcessor
 
@@ -48,10 +48,9 @@ def device_out(tokens):
     """One call's output for one row: logprob -0.1 * (j + 1), the token itself as the top one."""
     k = len(tokens)
     lps = -0.1 * np.arange(1, k + 1)[None]
-    delta = PoolDelta(*(np.zeros((1, 1), np.int32),) * 5, num_free=np.int32(0))
     return ModelOutput(tokens=np.array([tokens]), logprob=lps, rank=np.ones((1, k), int),
                        top_ids=np.array(tokens)[None, :, None], top_logprobs=lps[..., None],
-                       finish=np.zeros(1, np.int32), delta=delta, steps=np.int32(k), pool_full=np.bool_(False))
+                       finish=np.zeros(1, np.int32), steps=np.int32(k))
 
 
 def run(proc, output, params, chunks):

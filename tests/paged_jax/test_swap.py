@@ -1,6 +1,5 @@
 """Host memory below the engine: the host block pool's free list, reference counts and prefix-cache
-tier (exact host block ids), the pool mirror's prediction of which cached blocks the device evicts
-next, and the batched copies moving every leaf of a KV cache."""
+tier (exact host block ids), which cached blocks the pool's next hand-outs evict, and the batched copies moving every leaf of a KV cache."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,8 +7,7 @@ import pytest
 
 from paged_jax.core import block_pool as bp
 from paged_jax.core.host_pool import HostBlockPool
-from paged_jax.core.model_output import PoolDelta
-from paged_jax.core.pool_mirror import PoolMirror
+from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.worker import swap
 from paged_jax.worker.attention import KVCache
 
@@ -58,40 +56,24 @@ def test_host_tier_evicts_least_recently_used_and_gives_way_to_swaps():
     assert pool.num_free == 3 and sorted(pool.free_ids) == [0, 1, 2] and pool.tier == {}
 
 
-def _delta(pool) -> PoolDelta:
-    tables = np.asarray(pool.block_tables)
-    return PoolDelta(slots=np.arange(pool.max_seqs, dtype=np.int32), seq_lens=np.asarray(pool.seq_lens),
-                     start=np.zeros(pool.max_seqs, np.int32), blocks=tables,
-                     versions=np.asarray(pool.version)[tables], num_free=np.asarray(pool.num_free_blocks))
-
-
 @pytest.mark.parametrize("revived, evicted", [(set(), [3, 2]), ({2}, [3, 1])])
-def test_mirror_names_the_cached_blocks_the_next_hand_outs_evict(revived, evicted):
+def test_the_pool_names_the_cached_blocks_the_next_hand_outs_evict(revived, evicted):
     """Slots 0-2 hold blocks [1, 2, 3], [4, 5], [6]; 1-3 and 6 are cached. Freed in slot order,
     each tail first: 5 and 4 go to the head, 3, 2, 1 and 6 to the tail, so the queue is
     [4, 5, 7, 8, 9, 3, 2, 1, 6] and 7 hand-outs evict 3 and 2, or 3 and 1 when a prefix hit first
-    takes 2 out of the queue. The device's own hand-outs say the same."""
-    pool, mirror = bp.init(10, 4, 3, 4), PoolMirror(10, 4, 3, 4)
-    pool, _ = bp.allocate(pool, np.array([12, 8, 4], np.int32))
-    mirror.apply(_delta(pool))
-    pool = bp.mark_cached(pool, np.array([1, 2, 3, 6], np.int32), 4)
-    mirror.cached[[1, 2, 3, 6]] = True
-    pool = bp.free(pool, np.array([True, True, True]))
+    takes 2 out of the queue; the allocation that follows reports the same blocks."""
+    kv = KVCacheManager(10, 4, 3, 4)
+    kv.allocate([0, 1, 2], [12, 8, 4])
+    kv.mark_cached([1, 2, 3, 6])
     for slot in range(3):
-        mirror.release(slot)
-    mirror.settle()
-    mirror.check_against(pool)
-    assert list(mirror.cached_tail) == [3, 2, 1, 6]
-    assert mirror.next_evictions(5, revived) == []
-    assert mirror.next_evictions(7, revived) == evicted
+        kv.free([slot])
+    assert bp.free_order(kv.pool).tolist() == [4, 5, 7, 8, 9, 3, 2, 1, 6]
     if revived:
-        pool, ok = bp.share(pool, 2, np.array(sorted(revived), np.int32), len(revived))
-        assert ok
-    pool, ok = bp.allocate(pool, np.array([16, 12, np.asarray(pool.seq_lens)[2]], np.int32))  # 4 + 3 blocks
-    handed_out = np.asarray(pool.block_tables)[:2].ravel().tolist()
-    assert ok and [b for b in handed_out if b in (1, 2, 3, 6)] == evicted
-    mirror.apply(_delta(pool))
-    mirror.check_against(pool)
+        kv.share(2, sorted(revived), kv.version(sorted(revived)).tolist())
+    assert kv.next_evictions(5) == []
+    assert kv.next_evictions(7) == evicted
+    assert kv.allocate([0, 1], [16, 12]) == evicted
+    bp.check_invariants(kv.pool)
 
 
 def test_host_pool_refuses_a_negative_size():

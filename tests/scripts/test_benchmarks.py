@@ -85,6 +85,8 @@ def test_latency_reports_percentiles_and_compiles_only_in_the_first_run(tmp_path
     for row in result["rows"]:
         assert 0 < row["p10"] <= row["p50"] <= row["p90"] <= row["p99"]
     assert result["compile_s"] > 0 and result["timed_runs_compile_s"] == 0.0
+    # The same runs again with async scheduling: decode calls dispatched before the one before is processed.
+    assert result["serial"]["overlapped_calls"] == 0 and result["overlapped"]["overlapped_calls"] > 0
     assert "decode per token (ms)" in capsys.readouterr().out
 
 
