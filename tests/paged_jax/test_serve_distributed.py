@@ -202,7 +202,7 @@ class Recorder:
 
 def test_each_step_is_sent_first_with_the_commands_the_engine_took_and_shutdown_sends_stop():
     recorder = Recorder()
-    llm = AsyncLLM(recorder, followers=recorder)
+    llm = AsyncLLM(recorder, followers=recorder, max_requests=8)
     params = SamplingParams(max_tokens=1)
 
     async def collect(request_id, prompt):
@@ -242,7 +242,7 @@ def test_each_step_is_sent_first_with_the_commands_the_engine_took_and_shutdown_
 
 
 def test_a_shutdown_that_lands_just_before_the_engine_thread_clears_its_wake_up_still_stops_it():
-    llm = AsyncLLM(Recorder(), followers=Recorder())
+    llm = AsyncLLM(Recorder(), followers=Recorder(), max_requests=8)
 
     class ShutdownBeforeClear(threading.Event):
         """The thread's next clear() first sees shutdown()'s two writes, as a preempted thread can."""
