@@ -9,7 +9,11 @@ import json
 import os
 import random
 import socket
+import threading
 import time
+import types
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -18,7 +22,10 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from tests.paged_jax import raw_http  # noqa: E402
+from tests.paged_jax.test_async_llm import DiesOnStep  # noqa: E402
 from tests.paged_jax.test_openai_server import Server  # noqa: E402
+from tests.paged_jax.test_serve_distributed import Recorder  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 
 SEQS, WAITING = 8, 4
 PROMPT = "def fibonacci(n):\n"
@@ -148,6 +155,59 @@ def test_a_port_out_of_range_or_in_use_is_refused_before_the_model_loads(capsys,
             api_server.main(["--port", str(port)])
     assert e.value.code == 2
     assert capsys.readouterr().err.startswith(f"paged-jax-serve: error: cannot listen on 127.0.0.1:{port}: ")
+
+
+class FakeEngine(DiesOnStep):
+    """What the HTTP layer reads of an engine, over test_async_llm's dying Recorder: token-id prompts."""
+    tokenizer = None
+    config = types.SimpleNamespace(max_num_seqs=4, max_model_len=64)
+
+    def tokenize_prompt(self, prompt):
+        return None, list(prompt)
+
+    def unservable(self, ids, params):
+        return None
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread's
+def test_an_engine_killed_mid_request_ends_every_client_with_an_error_within_seconds():
+    import uvicorn
+
+    from paged_jax.entrypoints.async_llm import AsyncLLM
+    from paged_jax.entrypoints.openai.api_server import build_app
+    from paged_jax.entrypoints.openai.metrics import Metrics
+
+    engine = FakeEngine()
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(build_app(AsyncLLM(engine), model_name="m", metrics=Metrics("m")),
+                                       host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    while not uv.started:
+        time.sleep(0.05)
+    held = {"prompt": Recorder.HOLD, "max_tokens": 8}
+
+    async def session():
+        clients = [asyncio.create_task(raw_http.post(port, "/v1/completions", body))
+                   for body in (held, held, {**held, "stream": True})]
+        await asyncio.sleep(0.5)
+        engine.armed.set()  # the next step raises
+        answers = await asyncio.wait_for(asyncio.gather(*clients), 10)
+        return answers, await raw_http.post(port, "/v1/completions", held)
+
+    try:
+        answers, later = asyncio.run(session())
+        health = urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status
+    except urllib.error.HTTPError as e:
+        health = e.code
+    finally:
+        uv.should_exit = True
+        thread.join(10)
+    dead = {"message": "the engine stopped: RuntimeError('device lost')", "type": "InternalServerError",
+            "param": None, "code": 500}
+    assert [(a.status, a.json()) for a in answers[:2]] == [(500, {"error": dead})] * 2
+    assert answers[2].status == 200 and answers[2].events() == [{"error": dead}, "[DONE]"]
+    assert (later.status, later.json()["error"]["code"], health) == (500, 500, 503)
 
 
 def rss_mib(pid: int) -> float:
