@@ -189,12 +189,16 @@ class AsyncLLM:
                 continue
             _, request_id, prompt, params, cache_salt, sink = command
             try:
+                if request_id in self._sinks:  # the engine would refuse it too, after we replaced its sink
+                    raise ValueError(f"request id {request_id!r} is already in use")
+                self._sinks[request_id] = sink  # first: an engine that dies inside add_request fails it too
                 self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
             except ValueError as e:
+                if self._sinks.get(request_id) is sink:
+                    del self._sinks[request_id]
                 self._release(1)
                 sink.put(e)
                 continue
-            self._sinks[request_id] = sink
             applied.append(command[:5])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -25,9 +25,11 @@ def _request(port: int, path: str, body: bytes, content_length: int | None = Non
             f"Content-Length: {length}\r\nConnection: close\r\n\r\n").encode() + body
 
 
-async def post(port: int, path: str, body, *, leave_after_chunks: int | None = None) -> Response | None:
+async def post(port: int, path: str, body, *, leave_after_chunks: int | None = None,
+               chunk_times: list[float] | None = None) -> Response | None:
     """POST `body` (bytes, or an object sent as JSON). `leave_after_chunks`: close the connection
-    after that many body reads of a response (0: right after sending) -> None."""
+    after that many body reads of a response (0: right after sending) -> None. `chunk_times`: the
+    list the arrival times go to as they come (the caller may watch it)."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 24)
     try:
@@ -38,7 +40,7 @@ async def post(port: int, path: str, body, *, leave_after_chunks: int | None = N
         while (line := await reader.readline()) not in (b"\r\n", b""):
             key, _, value = line.decode().partition(":")
             headers[key.strip().lower()] = value.strip()
-        body, times = bytearray(), []
+        body, times = bytearray(), [] if chunk_times is None else chunk_times
         chunked = headers.get("transfer-encoding") == "chunked"
         while True:
             if leave_after_chunks is not None and len(times) >= leave_after_chunks:

@@ -3,6 +3,7 @@ once), and an engine that dies fails every request it holds, every add still que
 call, so that no caller waits forever. A recording fake engine (test_serve_distributed.Recorder)."""
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -96,3 +97,26 @@ def test_an_add_queued_as_the_engine_dies_is_failed_not_left_waiting():
 
     assert asyncio.run(asyncio.wait_for(session(), 10)) in (
         "refused at the call", "the engine stopped: RuntimeError('device lost')")
+
+
+def test_a_duplicate_request_id_is_refused_and_the_first_request_keeps_its_stream():
+    recorder = Recorder()
+    llm = AsyncLLM(recorder, max_requests=4)
+
+    async def session():
+        first = llm.generate("d", Recorder.HOLD, PARAMS)
+        with pytest.raises(ValueError, match="request id 'd' is already in use"):
+            async for _ in llm.generate("d", [1], PARAMS):
+                pass
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(first.__anext__(), 0.2)  # still held; cancelled: aborted
+        return llm.num_unfinished
+
+    asyncio.run(session())
+    deadline = time.monotonic() + 10
+    while llm.num_unfinished and time.monotonic() < deadline:  # the abort is queued: let the thread apply it
+        time.sleep(0.01)
+    llm.shutdown()
+    assert [e for e in recorder.log if e != "step"] == [("add", "d", Recorder.HOLD, recorder.log[0][3], None),
+                                                       ("abort", "d")]
+    assert llm.num_unfinished == 0

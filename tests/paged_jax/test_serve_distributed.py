@@ -158,7 +158,7 @@ def test_a_bad_engine_flag_on_one_process_is_one_line_and_exit_2_and_its_peer_st
      "process_id must be in [0, 2) for num_processes=2, got 2")])
 def test_bad_process_flags_are_one_line_and_exit_2_before_any_collective(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        api_server.main([*argv, "--no-compilation-cache"])
+        api_server.main([*argv, "--no-compilation-cache", "--port", str(free_port())])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == f"paged-jax-serve: error: {message}\n"
 
