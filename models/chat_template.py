@@ -1,8 +1,8 @@
 """Chat templates: a checkpoint's Jinja template rendered the way Hugging Face transformers renders it.
 
 The environment is transformers' (`utils/chat_template_utils.py`): a sandbox whose globals cannot be
-rebound, `trim_blocks`/`lstrip_blocks` (templates on the Hub are written for them), `{% break %}` and
-`{% continue %}`, a `tojson` that does not HTML-escape, and the `raise_exception`/`strftime_now`
+rebound, `trim_blocks`/`lstrip_blocks` (templates on the Hub are written for them), `{% break %}`,
+`{% continue %}` and `{% generation %}`, a `tojson` that does not HTML-escape, and the `raise_exception`/`strftime_now`
 globals. What the template is given is transformers' too, so the same messages give the same prompt."""
 from __future__ import annotations
 
@@ -29,10 +29,21 @@ def _strftime_now(fmt):
     return datetime.now().strftime(fmt)
 
 
+class _Generation(jinja2.ext.Extension):
+    """transformers' `{% generation %}...{% endgeneration %}`: it marks the assistant's text for
+    `return_assistant_tokens_mask`; the prompt is the block's text, unchanged."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
 @functools.lru_cache(maxsize=16)
 def _compile(template: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+                                        extensions=[jinja2.ext.loopcontrols, _Generation])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

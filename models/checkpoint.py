@@ -164,7 +164,7 @@ def load_hf(path, *, dtype=None) -> Llama:
     graphdef, state, shapes = _abstract_model(config)
     buffers = jax.tree.map(lambda s: np.empty(s.shape, s.dtype), shapes)
     # framework="flax" because numpy has no bf16; pinned to the host so nothing visits the GPU.
-    with jax.default_device(jax.devices("cpu")[0]):
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
         for file in files:
             with safe_open(file, framework="flax") as f:
                 for name in sorted(set(f.keys()) & set(expected)):

@@ -30,8 +30,10 @@ class Tokenizer:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Llama 3's tokenizer.json adds BOS itself (its post-processor) when add_special_tokens."""
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        """Llama 3's tokenizer.json adds BOS itself (its post-processor) when add_special_tokens.
+        `encode_batch` of one: unlike `encode` it releases the GIL, so a server's event loop keeps
+        running while a worker thread tokenizes a long prompt (4 MiB: tens of seconds)."""
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids, *, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -52,7 +52,7 @@ def lowered_capability(name):
 def _device():
     """-> (platform, device_kind, compute capability or None) of the device being built for: the
     abstract one in force, unless it just mirrors the local device (as a concrete mesh's does)."""
-    local = jax.devices()[0]
+    local = jax.local_devices()[0]
     abstract = jax.sharding.get_abstract_mesh().abstract_device
     if abstract is not None and abstract.device_kind != local.device_kind:
         return abstract.platform, abstract.device_kind, None

@@ -68,7 +68,7 @@ def kv_budget_bytes(*, gpu_memory_utilization=None, kv_cache_memory_fraction=Non
         if value is not None and not 0.0 < value <= 1.0:
             raise ValueError(f"{name} must be in (0, 1], got {value!r}")
     if memory_stats is None:
-        device = jax.devices()[0]
+        device = jax.local_devices()[0]
         memory_stats = device.memory_stats() if device.platform != "cpu" else None
     if not memory_stats or "bytes_limit" not in memory_stats:
         return int(CPU_KV_CACHE_BYTES * (kv_cache_memory_fraction or gpu_memory_utilization or DEFAULT_UTILIZATION))

@@ -64,6 +64,8 @@ class SamplingParams:
             ("logprobs", self.logprobs, self.logprobs is None or self.logprobs >= 0, ">= 0"),
             ("prompt_logprobs", self.prompt_logprobs, self.prompt_logprobs is None or self.prompt_logprobs >= 0,
              ">= 0"),
+            # numpy's SeedSequence, which draws a request's sampling keys, takes no negative seed
+            ("seed", self.seed, self.seed is None or self.seed >= 0, "None or >= 0"),
         )
         _check(checks)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

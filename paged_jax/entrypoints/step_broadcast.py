@@ -11,31 +11,21 @@ from its seed, or from the engine's seed and its arrival index (LLMEngine.add_re
 arrival order is process 0's.
 
 The channel is its own TCP connection per follower, apart from the liveness channel (which stays a
-silent connection whose closing means a crash, read by a thread): process 0 listens on a free port
-that one collective tells the followers, as the liveness channel's. A message is a 4-byte length and
-JSON, not pickle: a follower runs nothing a peer sends.
+silent connection whose closing means a crash, read by a thread), opened and proven as the liveness
+channel's (paged_jax.worker.handshake: the coordinator's address only, the job's secret). A message
+is a 4-byte length and JSON, not pickle: a follower runs nothing a peer sends.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 import struct
-
-import numpy as np
 
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.sampling_params import RequestOutputKind, SamplingParams
-from paged_jax.worker import distributed
+from paged_jax.worker import distributed, handshake
 
 _LENGTH = struct.Struct("!I")
-_PROCESS_ID = struct.Struct("!i")
-
-
-def _broadcast_port(port: int) -> int:
-    from jax.experimental import multihost_utils
-
-    return int(multihost_utils.broadcast_one_to_all(np.int32(port)))
 
 
 def encode(command: tuple) -> list:
@@ -69,24 +59,14 @@ def summary(engine: LLMEngine, steps: int) -> str:
 class StepSender:
     """Process 0's end: one connection from every follower, accepted before serving starts."""
 
-    def __init__(self, num_processes: int, timeout_s: float):
-        server = socket.create_server(("", 0))
-        _broadcast_port(server.getsockname()[1])
-        server.settimeout(timeout_s)
-        self.conns: dict[int, socket.socket] = {}
+    def __init__(self, host: str, num_processes: int, timeout_s: float):
+        """`host`: the coordinator's, the only address listened on."""
+        server, secret = handshake.listen("step", host)
         self.steps = 0
         try:
-            for _ in range(num_processes - 1):
-                conn, _ = server.accept()
-                conn.settimeout(timeout_s)
-                peer = _PROCESS_ID.unpack(conn.recv(_PROCESS_ID.size, socket.MSG_WAITALL))[0]
-                conn.settimeout(None)
-                self.conns[peer] = conn
-        except (OSError, struct.error) as e:
-            raise RuntimeError(f"not every process connected to process 0's step channel within "
-                               f"{timeout_s} s ({e})") from e
-        finally:
-            server.close()
+            self.conns = handshake.accept_peers(server, secret, "step", num_processes, timeout_s)
+        except OSError as e:
+            raise RuntimeError(str(e)) from e
 
     def send_step(self, commands: list[tuple]) -> None:
         """Before each step of process 0's engine: the commands it applied since the last one."""
@@ -111,14 +91,13 @@ class StepSender:
 
 
 class StepReceiver:
-    """A follower's end, connected to process 0 at `host` (the coordinator's host)."""
+    """A follower's end, connected to process 0 where it published its step channel."""
 
-    def __init__(self, host: str, num_processes: int, process_id: int, timeout_s: float):
+    def __init__(self, num_processes: int, process_id: int, timeout_s: float):
         self.num_processes, self.process_id = num_processes, process_id
-        port = _broadcast_port(0)
-        self.conn = distributed.connect_to_process_0(host, port, process_id, timeout_s, "step channel")
-        self.conn.sendall(_PROCESS_ID.pack(process_id))
-        self.conn.settimeout(None)  # process 0 may sit idle for as long as no request comes
+        address, secret = handshake.find("step", timeout_s)
+        # No timeout once connected: process 0 may sit idle for as long as no request comes.
+        self.conn = handshake.connect(address, secret, "step", process_id, timeout_s)
 
     def next_step(self) -> list[list] | None:
         """The commands of process 0's next step, or None when it stopped serving."""
@@ -127,18 +106,12 @@ class StepReceiver:
         return None if message.get("stop") else message["step"]
 
     def _read(self, size: int) -> bytes:
-        data = bytearray()
-        while len(data) < size:
-            try:
-                chunk = self.conn.recv(size - len(data))
-            except OSError:
-                chunk = b""
-            if not chunk:
-                distributed.stop_on_lost_peer(
-                    self.process_id, f"process 0 of {self.num_processes} closed the step channel without a "
-                                     "stop (it crashed, was killed or raised)")
-            data += chunk
-        return bytes(data)
+        try:
+            return handshake.recv_exact(self.conn, size)
+        except OSError:
+            distributed.stop_on_lost_peer(
+                self.process_id, f"process 0 of {self.num_processes} closed the step channel without a "
+                                 "stop (it crashed, was killed or raised)")
 
 
 def follow(engine: LLMEngine, receiver: StepReceiver) -> int:

@@ -17,14 +17,13 @@ from __future__ import annotations
 import atexit
 import os
 import socket
-import struct
 import sys
 import threading
-import time
 from typing import NoReturn
 
 import jax
-import numpy as np
+
+from paged_jax.worker import handshake
 
 EXIT_PEER_LOST = 70  # sysexits' EX_SOFTWARE: an internal failure, here another process's
 DEFAULT_TIMEOUT_S = 60
@@ -62,53 +61,29 @@ def stop_on_lost_peer(process_id: int, message: str) -> NoReturn:
     os._exit(EXIT_PEER_LOST)
 
 
-def connect_to_process_0(host: str, port: int, process_id: int, timeout_s: float, what: str) -> socket.socket:
-    """A connection to a port process 0 listens on, retried until `timeout_s`: a refused first try
-    (a host whose network is still coming up) is not yet a failure."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return socket.create_connection((host, port), timeout=timeout_s)
-        except OSError as e:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"process {process_id} could not reach process 0's {what} at "
-                                   f"{host}:{port} within {timeout_s} s: {e}") from e
-            time.sleep(0.1)
-
-
 class LivenessChannel:
-    """Process 0 accepts one connection from every other process; each side watches the other."""
+    """Process 0 accepts one proven connection from every other process (paged_jax.worker.handshake);
+    each side watches the other."""
 
     def __init__(self, host: str, num_processes: int, process_id: int, timeout_s: float):
         self.num_processes, self.process_id, self.timeout_s = num_processes, process_id, timeout_s
         self.leaving = False  # set when this process begins a normal exit: closed peers are expected then
         self.conns: list[socket.socket] = []
         if process_id == 0:
-            self.server = socket.create_server(("", 0))
-            port = self.server.getsockname()[1]
+            server, secret = handshake.listen("liveness", host)
+            threading.Thread(target=self._accept, args=(server, secret), daemon=True,
+                             name="paged-jax-liveness").start()
         else:
-            port = 0
-        from jax.experimental import multihost_utils
+            address, secret = handshake.find("liveness", timeout_s)
+            self._watch(handshake.connect(address, secret, "liveness", process_id, timeout_s), 0)
 
-        # One collective, entered by every process, tells them where process 0 listens.
-        port = int(multihost_utils.broadcast_one_to_all(np.int32(port)))
-        if process_id == 0:
-            threading.Thread(target=self._accept, daemon=True, name="paged-jax-liveness").start()
-        else:
-            conn = connect_to_process_0(host, port, process_id, timeout_s, "liveness channel")
-            conn.sendall(struct.pack("!i", process_id))
-            self._watch(conn, 0)
-
-    def _accept(self) -> None:
-        self.server.settimeout(self.timeout_s)
+    def _accept(self, server: socket.socket, secret: bytes) -> None:
         try:
-            for _ in range(self.num_processes - 1):
-                conn, _ = self.server.accept()
-                conn.settimeout(self.timeout_s)
-                peer = struct.unpack("!i", conn.recv(4, socket.MSG_WAITALL))[0]
-                self._watch(conn, peer)
+            peers = handshake.accept_peers(server, secret, "liveness", self.num_processes, self.timeout_s)
         except OSError as e:
-            self._peer_lost(f"not every process connected to process 0 within {self.timeout_s} s ({e})")
+            self._peer_lost(str(e))
+        for peer, conn in peers.items():
+            self._watch(conn, peer)
 
     def _watch(self, conn: socket.socket, peer: int) -> None:
         conn.settimeout(None)

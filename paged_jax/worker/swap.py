@@ -55,7 +55,7 @@ class HostKVCache:
             lambda leaf: np.zeros(leaf.shape[:self.axis] + (self.num_layers * self.num_blocks,)
                                   + leaf.shape[self.axis + 1:], leaf.dtype), cache)
         device = jax.tree.leaves(cache)[0].sharding
-        kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+        kinds = {m.kind for m in jax.local_devices()[0].addressable_memories()}
         self.host_sharding = (device.with_memory_kind("pinned_host")
                               if jax.default_backend() != "cpu" and "pinned_host" in kinds else None)
 

@@ -3,9 +3,8 @@ import json
 import shutil
 from pathlib import Path
 
+import jinja2
 import pytest
-
-jinja2 = pytest.importorskip("jinja2")  # in the serve extra; models.chat_template needs it
 
 from models.chat_template import render_chat_template
 from models.tokenizer import load_tokenizer
@@ -55,7 +54,11 @@ TOOLS = """{% if tools is not none %}
 {% if add_generation_prompt %}
 <|im_start|>assistant
 {% endif %}"""
-TOKENS = {LLAMA3: ("<|begin_of_text|>", "<|eot_id|>"), CHATML: ("<|im_start|>", "<|im_end|>"),
+# SmolLM3's and Qwen3's kind: `{% generation %}` marks the assistant's turns (transformers' extension).
+GENERATION = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}{% generation %}"
+              "{{ m.content }}<|im_end|>{% endgeneration %}{% else %}{{ m.content }}<|im_end|>{% endif %}\n"
+              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TOKENS = {GENERATION: ("<|im_start|>", "<|im_end|>"), LLAMA3: ("<|begin_of_text|>", "<|eot_id|>"), CHATML: ("<|im_start|>", "<|im_end|>"),
           MISTRAL: ("<s>", "</s>"), TOOLS: (None, "<|im_end|>")}
 
 USER = [{"role": "user", "content": "Write a haiku about paged attention."}]
@@ -90,7 +93,8 @@ def ours(template, messages, **kwargs):
 
 # The other templates concatenate content, which TOOL_CALL leaves out (None) for its tool call.
 CASES = {f"{t_name}-{m_name}": (template, messages)
-         for t_name, template in (("llama3", LLAMA3), ("chatml", CHATML), ("tools", TOOLS))
+         for t_name, template in (("llama3", LLAMA3), ("chatml", CHATML), ("tools", TOOLS),
+                                  ("generation", GENERATION))
          for m_name, messages in (("user", USER), ("multi_turn", MULTI_TURN), ("tool_call", TOOL_CALL))
          if template is TOOLS or messages is not TOOL_CALL}
 
@@ -101,6 +105,12 @@ def test_renders_as_transformers(template, messages, add_generation_prompt):
     expected = hf_tokenizer(template).apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tokenize=False)
     assert ours(template, messages, add_generation_prompt=add_generation_prompt) == expected
+
+
+def test_the_generation_block_renders_its_text():
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert ours(GENERATION, turns, add_generation_prompt=True) == (  # trim_blocks eats each block's newline
+        "<|im_start|>user\nhi<|im_end|><|im_start|>assistant\nhello<|im_end|><|im_start|>assistant\n")
 
 
 def test_tools_and_extra_variables_as_transformers():

@@ -405,7 +405,7 @@ def test_engine_flags_reach_the_engine_and_a_bad_one_is_one_line_and_exit_2(flag
 
     monkeypatch.setattr(uvicorn, "run", run)
     with pytest.raises(SystemExit) as e:
-        api_server.main([*flags, "--no-compilation-cache", "--warmup-prompt-len", "0"])
+        api_server.main([*flags, "--no-compilation-cache", "--warmup-prompt-len", "0", "--port", str(free_port())])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1
     assert err[0].startswith("paged-jax-serve: error: ") and named in err[0]

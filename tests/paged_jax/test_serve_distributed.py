@@ -158,7 +158,7 @@ def test_a_bad_engine_flag_on_one_process_is_one_line_and_exit_2_and_its_peer_st
      "process_id must be in [0, 2) for num_processes=2, got 2")])
 def test_bad_process_flags_are_one_line_and_exit_2_before_any_collective(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        api_server.main([*argv, "--no-compilation-cache"])
+        api_server.main([*argv, "--no-compilation-cache", "--port", str(free_port())])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == f"paged-jax-serve: error: {message}\n"
 
@@ -202,7 +202,7 @@ class Recorder:
 
 def test_each_step_is_sent_first_with_the_commands_the_engine_took_and_shutdown_sends_stop():
     recorder = Recorder()
-    llm = AsyncLLM(recorder, followers=recorder)
+    llm = AsyncLLM(recorder, followers=recorder, max_requests=8)
     params = SamplingParams(max_tokens=1)
 
     async def collect(request_id, prompt):
@@ -242,7 +242,7 @@ def test_each_step_is_sent_first_with_the_commands_the_engine_took_and_shutdown_
 
 
 def test_a_shutdown_that_lands_just_before_the_engine_thread_clears_its_wake_up_still_stops_it():
-    llm = AsyncLLM(Recorder(), followers=Recorder())
+    llm = AsyncLLM(Recorder(), followers=Recorder(), max_requests=8)
 
     class ShutdownBeforeClear(threading.Event):
         """The thread's next clear() first sees shutdown()'s two writes, as a preempted thread can."""

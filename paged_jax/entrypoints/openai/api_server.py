@@ -15,7 +15,9 @@ import hmac
 import importlib
 import json
 import os
+import re
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -23,17 +25,19 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import ClientDisconnect
 
 import paged_jax
-from paged_jax.entrypoints.async_llm import AsyncLLM
+from paged_jax.entrypoints.async_llm import AsyncLLM, EngineDeadError
 from paged_jax.entrypoints.openai.metrics import Metrics
 from paged_jax.entrypoints.openai.protocol import APIError, field
-from paged_jax.entrypoints.openai.serving import Serving
+from paged_jax.entrypoints.openai.serving import Serving, engine_dead
 from paged_jax.entrypoints.step_broadcast import StepReceiver, StepSender, follow, summary
 from paged_jax.worker import distributed
 
 MAX_REQUEST_BYTES = 4 << 20  # a body past this is refused, and never held in memory
 DRAIN_BYTES = 64 << 20
+RETRY_AFTER_S = 1  # a refused request's Retry-After: a step or a few free a batch's worth of room
 
 
 async def _disconnected(receive) -> None:
@@ -92,10 +96,33 @@ class _APIKey:
         await self.app(scope, receive, send)
 
 
-async def _read_json(request: Request, limit: int) -> dict:
-    """The JSON object of the body. A body over `limit` is read to its end but not kept (a client
-    that sends it whole before reading would see a reset connection, not the 400), up to
-    DRAIN_BYTES; past that the connection is dropped."""
+# A UTF-16 surrogate, escaped or raw: JSON allows a lone one, which no tokenizer can encode.
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def _parse_json(data: bytes) -> dict:
+    """The body's JSON object, or a 400: not JSON, nested deeper than Python's recursion limit,
+    a lone surrogate in a string, not an object."""
+    try:
+        body = json.loads(data)
+    except ValueError as e:
+        raise APIError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError("the request body is nested too deeply") from None
+    if _SURROGATE.search(data):  # pairs (an escaped emoji) are fine: encoding finds only lone ones
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError as e:
+            raise APIError(f"the request body has a lone UTF-16 surrogate in a string ({e.reason})") from None
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+async def _read_json(request: Request, limit: int, serving: Serving) -> dict:
+    """The JSON object of the body, parsed on the worker pool. A body over `limit` is read to its end
+    but not kept (a client that sends it whole before reading would see a reset connection, not the
+    400), up to DRAIN_BYTES; past that the connection is dropped."""
     data, size = bytearray(), 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -106,13 +133,7 @@ async def _read_json(request: Request, limit: int) -> dict:
     if size > limit:
         raise APIError(f"the request body of {size}{'+' if size > DRAIN_BYTES else ''} bytes is over this "
                        f"server's limit of {limit} bytes (--max-request-bytes)")
-    try:
-        body = json.loads(data)
-    except ValueError as e:
-        raise APIError(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
+    return await serving.off_loop(_parse_json, bytes(data))
 
 
 def build_app(llm: AsyncLLM, *, model_name: str, metrics: Metrics, api_key: str | None = None,
@@ -123,11 +144,22 @@ def build_app(llm: AsyncLLM, *, model_name: str, metrics: Metrics, api_key: str 
 
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        if e.status != 503:
+            return JSONResponse(e.body(), status_code=e.status)
+        metrics.refused.inc()
+        return JSONResponse(e.body(), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.exception_handler(EngineDeadError)
+    async def dead(_, e: EngineDeadError):
+        return JSONResponse(engine_dead(e).body(), status_code=500)
+
+    @app.exception_handler(ClientDisconnect)
+    async def gone(_, e: ClientDisconnect):  # mid-upload: nobody reads the answer, nothing to log
+        return Response(status_code=499)
 
     async def generate(request: Request, chat: bool):
         # The body is read before listening for a disconnect: both would take the same messages.
-        work = serving.create(await _read_json(request, max_request_bytes), chat=chat)
+        work = serving.create(await _read_json(request, max_request_bytes, serving), chat=chat)
         result = await _unless_disconnected(request, work)
         if result is None:  # the client left before the answer: nobody reads this response
             return Response(status_code=499)
@@ -163,21 +195,22 @@ def build_app(llm: AsyncLLM, *, model_name: str, metrics: Metrics, api_key: str 
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        body = await _read_json(request, max_request_bytes)
+        body = await _read_json(request, max_request_bytes, serving)
         serving.check_model(field(body, "model", str))
         if "messages" in body:
-            ids = serving.chat_prompt(body)
+            ids = await serving.off_loop(serving.chat_prompt, body)
         else:
             prompt = field(body, "prompt", str)
             if prompt is None or serving.tokenizer is None:
                 raise APIError("prompt (a string) or messages is required, and a model with a tokenizer",
                                param="prompt")
-            ids = serving.tokenizer.encode(prompt, add_special_tokens=field(body, "add_special_tokens", bool, True))
+            ids = await serving.off_loop(serving.tokenizer.encode, prompt,
+                                         add_special_tokens=field(body, "add_special_tokens", bool, True))
         return {"count": len(ids), "max_model_len": engine.config.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        body = await _read_json(request, max_request_bytes)
+        body = await _read_json(request, max_request_bytes, serving)
         serving.check_model(field(body, "model", str))
         tokens = field(body, "tokens", list)
         if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
@@ -186,7 +219,7 @@ def build_app(llm: AsyncLLM, *, model_name: str, metrics: Metrics, api_key: str 
             engine.tokenize_prompt(tokens or [0])  # the same range check as a prompt's
         except ValueError as e:
             raise APIError(str(e), param="tokens") from None
-        return {"prompt": serving.tokenizer.decode(tokens) if serving.tokenizer else ""}
+        return {"prompt": await serving.off_loop(serving.tokenizer.decode, tokens) if serving.tokenizer else ""}
 
     return _APIKey(app, api_key) if api_key else app
 
@@ -197,7 +230,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="paged-jax-serve", description="An OpenAI-compatible server (vLLM's flags).")
     ap.add_argument("--model", help="checkpoint directory or GGUF file (default: the embedded model)")
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--port", type=_port, default=8000)
     ap.add_argument("--served-model-name", help="the name clients ask for (default: --model as given)")
     for flag, kind in (("--block-size", int), ("--num-blocks", int), ("--max-num-seqs", int),
                        ("--max-model-len", int), ("--max-num-batched-tokens", int), ("--num-decode-steps", int),
@@ -216,6 +249,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="require `Authorization: Bearer KEY` on /v1 (default: $PAGED_JAX_API_KEY)")
     ap.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template instead of the model's")
     ap.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES)
+    ap.add_argument("--max-waiting-requests", type=int, metavar="N",
+                    help="requests that may wait beside a full batch of max-num-seqs; past them a request "
+                         "gets 503 with Retry-After (default: 4 * max-num-seqs)")
     ap.add_argument("--compilation-cache-dir", metavar="DIR", help="jax's persistent compilation cache")
     ap.add_argument("--no-compilation-cache", action="store_true")
     ap.add_argument("--warmup-prompt-len", type=int, default=32,
@@ -224,6 +260,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--uvicorn-log-level", default="info")
     distributed.add_cli_flags(ap)
     return ap.parse_args(argv)
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"a port is in [1, 65535], got {port}")
+    return port
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """A port in use is said now, not after minutes of loading and warm-up (uvicorn binds it later)."""
+    try:
+        socket.create_server((host, port)).close()
+    except OSError as e:
+        fail(f"cannot listen on {host}:{port}: {e.strerror or e}")
 
 
 def embedded_model() -> Path:
@@ -238,6 +289,10 @@ def fail(message: str):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+        fail(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    if args.process_id == 0:
+        _check_port_free(args.host, args.port)
     model = args.model or str(embedded_model())
     llm = _build(args, model)
     if args.process_id == 0:
@@ -281,8 +336,7 @@ def _build(args, model: str):
 
 def _follow(args, engine) -> None:
     """A follower: no HTTP, process 0's steps replayed until it stops serving."""
-    host, _ = distributed.parse_coordinator(args.coordinator)
-    receiver = StepReceiver(host, args.num_processes, args.process_id, args.distributed_timeout)
+    receiver = StepReceiver(args.num_processes, args.process_id, args.distributed_timeout)
     print(f"paged-jax-serve: process {args.process_id} of {args.num_processes} follows process 0's steps", flush=True)
     steps = follow(engine, receiver)
     print(f"paged-jax-serve: process {args.process_id} stopped with process 0 after {summary(engine, steps)}",
@@ -292,10 +346,15 @@ def _follow(args, engine) -> None:
 def _serve(args, llm, model: str) -> None:
     import uvicorn
 
-    followers = StepSender(args.num_processes, args.distributed_timeout) if args.num_processes > 1 else None
+    followers = None
+    if args.num_processes > 1:
+        host, _ = distributed.parse_coordinator(args.coordinator)
+        followers = StepSender(host, args.num_processes, args.distributed_timeout)
     name = args.served_model_name or (args.model or "embedded")
     metrics = Metrics(name)
-    async_llm = AsyncLLM(llm.engine, on_step=metrics.on_step, followers=followers)
+    seqs = llm.engine.config.max_num_seqs
+    waiting = 4 * seqs if args.max_waiting_requests is None else args.max_waiting_requests
+    async_llm = AsyncLLM(llm.engine, on_step=metrics.on_step, followers=followers, max_requests=seqs + waiting)
     app = build_app(async_llm, model_name=name, metrics=metrics, api_key=args.api_key,
                     max_request_bytes=args.max_request_bytes, model_root=model)
     print(f"paged-jax-serve: serving {name!r} on http://{args.host}:{args.port}", flush=True)

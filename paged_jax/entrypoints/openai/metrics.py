@@ -42,6 +42,9 @@ class Metrics:
                           labelnames=["model_name", "engine", "finished_reason"], registry=self.registry)
         self.success = {reason: success.labels(finished_reason=reason, **values)
                         for reason in ("stop", "length", "abort", "error")}
+        # Ours (vLLM has no such limit): requests refused with 503, past --max-waiting-requests.
+        self.refused = Counter("paged_jax:requests_refused", "Requests refused with 503 while the server was full.",
+                               **labels).labels(**values)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.",

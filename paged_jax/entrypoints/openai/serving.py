@@ -4,22 +4,41 @@ serving_chat.py, in one module because the two differ only in their prompt and t
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import functools
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 
-from paged_jax.entrypoints.async_llm import AsyncLLM, EngineDeadError
+from paged_jax.entrypoints.async_llm import AsyncLLM, EngineBusyError, EngineDeadError
 from paged_jax.entrypoints.openai import protocol
 from paged_jax.entrypoints.openai.protocol import APIError, field
 
 
+def busy(message: str) -> APIError:
+    """vLLM's 503 when the engine cannot take more now (the handler adds Retry-After)."""
+    return APIError(message, status=503, type="ServiceUnavailableError")
+
+
+def engine_dead(e: EngineDeadError) -> APIError:
+    return APIError(str(e), status=500, type="InternalServerError")
+
+
 class Serving:
-    def __init__(self, llm: AsyncLLM, model_name: str):
+    def __init__(self, llm: AsyncLLM, model_name: str, *, workers: int = 4):
         self.llm, self.model_name = llm, model_name
         self.engine = llm.engine  # only its tokenizer and configuration are read here (thread-safe)
         self.tokenizer = self.engine.tokenizer
+        # Tokenizing and chat rendering take time proportional to the prompt (a 4 MiB prompt: seconds);
+        # on the event loop they would stop every stream meanwhile.
+        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="paged-jax-tokenize")
+        self.preparing = 0  # requests being tokenized: with the engine's, at most llm.max_requests
+
+    async def off_loop(self, fn, *args, **kwargs):
+        """fn(*args, **kwargs) on the worker pool, awaited; its exceptions are raised here."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
 
     # -- checking a request ---------------------------------------------------------------------
 
@@ -64,14 +83,32 @@ class Serving:
         self.check_model(options.model)
         max_tokens = protocol.requested_max_tokens(body, chat=chat)
         params = protocol.read_sampling_params(body, max_tokens=max_tokens, options=options)
-        prompts = [self.chat_prompt(body)] if chat else [self.encode(p) for p in protocol.read_prompts(body)]
-        for ids in prompts:
-            self.check_fits(ids, max_tokens, params)
+        if params.n > self.engine.config.max_num_seqs:  # before the KV-cache check, which n also fails
+            raise APIError(f"n={params.n} samples exceed this server's max_num_seqs="
+                           f"{self.engine.config.max_num_seqs}", param="n")
+        texts = None if chat else protocol.read_prompts(body)
+        count, limit = 1 if chat else len(texts), self.llm.max_requests
+        if count > limit:  # could never be admitted: a 400, not a retry
+            raise APIError(f"a request may hold at most {limit} prompts (this server's limit of unfinished "
+                           f"requests), got {count}", param="prompt")
+        if self.preparing + self.llm.num_unfinished + count > limit:
+            raise busy(f"the server has {self.llm.num_unfinished + self.preparing} requests in progress, its "
+                       f"limit is {limit}: retry later")
+        self.preparing += count
+        try:
+            prompts = await self.off_loop(self._prompts, body, texts, max_tokens, params)
+        finally:
+            self.preparing -= count
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         response = _Response(self, request_id, chat, params.n, prompts, options,
                              token_ids_as_tokens=field(body, "return_tokens_as_token_ids", bool, False))
-        streams = [self.llm.generate(f"{request_id}-{i}", ids, params, cache_salt=options.cache_salt)
-                   for i, ids in enumerate(prompts)]
+        try:
+            streams = self.llm.generate_many([(f"{request_id}-{i}", ids) for i, ids in enumerate(prompts)],
+                                             params, cache_salt=options.cache_salt)
+        except EngineBusyError as e:
+            raise busy(str(e)) from None
+        except EngineDeadError as e:
+            raise engine_dead(e) from None
         if options.stream:
             return response.events(_merge(streams))
         try:
@@ -79,7 +116,16 @@ class Serving:
                 response.add(i, out)
         except ValueError as e:  # the engine refused the request when it was queued
             raise APIError(str(e)) from None
+        except EngineDeadError as e:
+            raise engine_dead(e) from None
         return response.body()
+
+    def _prompts(self, body: dict, texts: list | None, max_tokens: int | None, params) -> list[list[int]]:
+        """The request's prompts as token ids, each checked to fit (on the worker pool)."""
+        prompts = [self.chat_prompt(body)] if texts is None else [self.encode(p) for p in texts]
+        for ids in prompts:
+            self.check_fits(ids, max_tokens, params)
+        return prompts
 
 
 async def _merge(streams) -> AsyncIterator[tuple[int, object]]:
@@ -272,7 +318,7 @@ class _Response:
                 yield _sse({**self._chunk([]), "usage": self.usage()})
         except (APIError, ValueError, EngineDeadError) as e:
             error = (e if isinstance(e, APIError) else APIError(str(e)) if isinstance(e, ValueError) else
-                     APIError(str(e), status=500, type="InternalServerError"))
+                     engine_dead(e))
             yield _sse(error.body())
         finally:
             await outputs.aclose()
