@@ -114,16 +114,20 @@ def scan_layers(
         bound = functools.partial(attention, layer=layer, sliding_window=windows[j])
         return layer_fn(x, w, bound, state)
 
-    def step(carry, xs):
-        (x, state), (w, first) = carry, xs
+    def step(carry, first):
+        x, state = carry
         for j in range(period):
-            x, state = run(x, state, {name: a[j] for name, a in w.items()}, first + j, j)
+            w = {name: jax.lax.dynamic_index_in_dim(a, first + j, keepdims=False) for name, a in weights.items()}
+            x, state = run(x, state, w, first + j, j)
         return (x, state), None
 
-    grouped = {name: a[:groups * period].reshape(groups, period, *a.shape[1:]) for name, a in weights.items()}
+    # The scan indexes the stacked [num_layers, ...] arrays itself rather than taking them as `xs`
+    # regrouped to [groups, period, ...]: that reshape, even with period 1, gave XLA:CPU a layout
+    # for the inner loop's operand ({..., 0, 1}: the size-1 axis outermost) that it then copied to
+    # the loop's default one, every stacked weight once per decode step.
     firsts = period * jnp.arange(groups, dtype=jnp.int32)
     with jax.named_scope("layers"):
-        (x, attn_state), _ = jax.lax.scan(step, (x, attn_state), (grouped, firsts))
+        (x, attn_state), _ = jax.lax.scan(step, (x, attn_state), firsts)
         for layer in range(groups * period, num_layers):
             x, attn_state = run(x, attn_state, {name: a[layer] for name, a in weights.items()},
                                 jnp.int32(layer), layer % period)

@@ -163,7 +163,17 @@ def write_kv_reference(
     k_scales=None,  # f32[num_kv_heads, num_blocks, block_size]: with int8/fp8 pages
     v_scales=None,  # f32[num_kv_heads, num_blocks, block_size]
 ):
-    """As `write_kv`: (k_pages, v_pages), or with scales (k_pages, v_pages, k_scales, v_scales)."""
+    """As `write_kv`: (k_pages, v_pages), or with scales (k_pages, v_pages, k_scales, v_scales).
+
+    One token (a decode step of one sequence) is written as two, the second dropped: XLA rewrites a
+    one-index scatter into a dynamic-update-slice, which it may then recompute inside a consumer
+    (XLA:CPU fused it into the attention's gather of the same pages), so that consumer read the
+    pages from before the write while the update wrote them in place, and XLA copied the whole
+    page array, twice, to keep both. A scatter has no elementwise form: it is never recomputed in
+    a consumer, and the pages are updated in place."""
+    if k.shape[0] == 1:
+        k, v = (jnp.concatenate([x, jnp.zeros_like(x)]) for x in (k, v))
+        slot_mapping = jnp.concatenate([slot_mapping, jnp.full((1,), -1, slot_mapping.dtype)])
     num_blocks, block_size = k_pages.shape[1:3]
     # -1 -> an out-of-range block, which the scatter drops
     block = jnp.where(slot_mapping >= 0, slot_mapping // block_size, num_blocks)

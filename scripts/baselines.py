@@ -131,3 +131,31 @@ def hf_generate(hf, prompts: list[list[int]], output_lens: list[int], batch_size
                               min_new_tokens=max(outs), pad_token_id=0)
         answers += [out[i, width:width + n].tolist() for i, n in enumerate(outs)]
     return answers
+
+
+def llama_cpp_available() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def llama_cpp_model(path, num_threads: int, n_ctx: int):
+    """llama.cpp (the `llama-cpp-python` binding, an optional benchmark dependency) on a GGUF file,
+    its quantized weights as they are stored, `num_threads` threads for decode and prefill."""
+    from llama_cpp import Llama
+
+    return Llama(model_path=str(path), n_threads=num_threads, n_threads_batch=num_threads, n_ctx=n_ctx,
+                 verbose=False)
+
+
+def llama_cpp_generate(llm, prompts: list[list[int]], output_len: int) -> list[list[int]]:
+    """Greedy answers of exactly `output_len` tokens (EOS does not stop them, as ignore_eos), one
+    prompt after another: the binding's `generate` runs a single sequence (llama.cpp's multi-sequence
+    batch is only reachable through its low-level C API)."""
+    answers = []
+    for prompt in prompts:
+        tokens = []
+        for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            tokens.append(int(token))
+            if len(tokens) == output_len:
+                break
+        answers.append(tokens)
+    return answers

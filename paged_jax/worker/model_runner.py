@@ -12,7 +12,7 @@ import numpy as np
 from paged_jax.core.model_output import ModelOutput
 from paged_jax.core.scheduler import Plan
 from paged_jax.engine.sampling_params import SAMPLING_EPS
-from paged_jax.worker import batching, runner, sampler, sharding, swap
+from paged_jax.worker import batching, programs, runner, sampler, sharding, swap
 from paged_jax.worker.attention import cache_layout
 
 
@@ -219,27 +219,9 @@ def activation_bytes(model, num_tokens: int, max_num_seqs: int, max_model_len: i
     tables as wide as `max_model_len`): XLA's temp buffers for the compiled program, read from its
     memory analysis (vLLM measures a profile run; the compiler's buffer assignment is the same
     figure without running it). The KV pages are donated and aliased, so their size does not enter."""
-    from flax import nnx
-
-    graphdef, params = nnx.split(model)
-    num_rows = batching.bucket(min(max_num_seqs, num_tokens), max_num_seqs)
-    width = -(-max_model_len // block_size)
-    cache = jax.eval_shape(lambda: model.init_cache(2, block_size, layout=cache_layout(backend),
-                                                    kv_cache_dtype=kv_cache_dtype))
-    empty = jax.ShapeDtypeStruct((num_rows, 0), jnp.int32)
-    state = runner.DeviceState(cache=cache, output_counts=empty,
-                               prompt_mask=jax.ShapeDtypeStruct((num_rows, 0), bool))
-
-    def i32(*shape):
-        return jax.ShapeDtypeStruct(shape, jnp.int32)
-
-    batch = batching.PrefillBatch(
-        slots=i32(num_rows), tokens=i32(num_tokens), positions=i32(num_tokens), token_row=i32(num_tokens),
-        slot_mapping=i32(num_tokens), block_tables=i32(num_rows, width),
-        query_start_loc=i32(num_rows + 1), attn_seq_lens=i32(num_rows), logits_rows=i32(num_rows),
-        copy_src=i32(0), copy_dst=i32(0), num_output=i32(num_rows), total_len=i32(num_rows),
-        prompt_lp_tokens=i32(0), prompt_lp_targets=i32(0), prompt_lp_rows=i32(0), prompt_lp_positions=i32(0),
-        swap_blocks=i32(0))
-    sp = batching.row_params([], num_rows, (), max_model_len)
-    compiled = runner.prefill_step.lower(graphdef, params, state, batch, sp, flags=runner.Flags(backend)).compile()
+    sizing = programs.Sizing(num_blocks=2, block_size=block_size, max_num_seqs=max_num_seqs,
+                             max_model_len=max_model_len, attention_backend=backend, kv_cache_dtype=kv_cache_dtype)
+    compiled = programs.prefill_program(model, sizing, num_tokens=num_tokens,
+                                        num_rows=batching.bucket(min(max_num_seqs, num_tokens), max_num_seqs),
+                                        width=sizing.max_blocks_per_seq)
     return int(compiled.memory_analysis().temp_size_in_bytes)
