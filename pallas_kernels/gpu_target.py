@@ -87,6 +87,13 @@ def compile_only_device(gpu: str) -> jax.Device:
     return compile_only_devices(gpu, 1)[0]
 
 
+def jax_bytes_limit(memory_bytes: int) -> int:
+    """-> the `bytes_limit` jax's GPU allocator reports on a GPU of `memory_bytes`: it takes
+    XLA_PYTHON_CLIENT_MEM_FRACTION of the memory (0.75 unless set; jax's "GPU memory allocation"
+    docs), and gpu_memory_utilization is a fraction of that limit."""
+    return int(memory_bytes * float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")))
+
+
 def _field(text, name):
     match = re.search(rf'^\s*{name}: ("[^"]*"|\S+)', text, re.MULTILINE)
     if match is None:
