@@ -80,9 +80,8 @@ def main(argv=None):
             temp_bytes=temp_bytes, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
             gpu_memory_utilization=args.gpu_memory_utilization)
-    except ValueError as e:
-        named = f" (activation peak: {probes[-1].name}, temp {probes[-1].temp_bytes} bytes)" if probes else ""
-        sys.exit(f"does not fit{named}: {e}")
+    except gpu_programs.DoesNotFit as e:
+        sys.exit(f"does not fit: {e}")
     c = engine.config
     print(c.describe())
     print(f"per device: weights {engine.weight_bytes / GiB:.2f} GiB, KV pool {engine.kv_bytes / GiB:.2f} GiB "
@@ -109,7 +108,8 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": args.gpu, "config": dataclasses.asdict(c), "weight_bytes": engine.weight_bytes,
-                       "kv_bytes": engine.kv_bytes, "bytes_limit": limit, "programs": [dataclasses.asdict(s) for s in stats],
+                       "kv_bytes": engine.kv_bytes, "bytes_limit": limit,
+                       "activation_bytes": probes[-1].temp_bytes, "programs": [dataclasses.asdict(s) for s in stats],
                        "failed": failed, "does_not_fit": verdict}, f, indent=1)
     if failed:
         sys.exit(f"{len(failed)} program(s) failed to compile: {', '.join(failed)}")

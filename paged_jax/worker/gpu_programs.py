@@ -42,6 +42,10 @@ class AbstractEngine:
         return self.config.num_blocks * self.config.bytes_per_block // self.placement.size
 
 
+class DoesNotFit(ValueError):
+    """The largest prefill step's temps leave no room for the KV pool."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
     name: str
@@ -110,8 +114,12 @@ def build(model_cls, model_config, devices, *, bytes_limit: int, temp_bytes: Cal
     def activation_bytes(num_tokens, max_num_seqs, max_model_len):
         return temp_bytes(prefill_program(probe, num_tokens))
 
-    config = config_lib.resolve(model.config, num_blocks=None, activation_bytes=activation_bytes,
-                                memory_stats={"bytes_limit": bytes_limit, "bytes_in_use": weights}, **sizes)
+    try:
+        config = config_lib.resolve(model.config, num_blocks=None, activation_bytes=activation_bytes,
+                                    memory_stats={"bytes_limit": bytes_limit, "bytes_in_use": weights}, **sizes)
+    except ValueError as e:  # the activation peak left no room for the KV pool
+        largest = prefill_program(probe, max_num_batched_tokens)
+        raise DoesNotFit(f"{largest.name} needs {temp_bytes(largest)} bytes of temps: {e}") from e
     if max_model_len is None and config.max_model_len > (config.num_blocks - 1) * block_size:
         config = dataclasses.replace(config, max_model_len=(config.num_blocks - 1) * block_size)
     return AbstractEngine(model=model, config=config, placement=mesh, weight_bytes=weights)
@@ -150,13 +158,13 @@ def _graphdef_params(engine):
 
 
 def prefill_program(engine, num_tokens: int, *, forks=False, swap_in=False) -> Program:
-    """A prefill step of `num_tokens` over as many rows as fit (one token each, the last row's
-    chunk ending at max_model_len so its table is as wide as any); `forks`: a row forks (the
+    """A prefill step of `num_tokens` spread over as many rows as fit, the last row's chunk ending
+    at max_model_len so its table is as wide as any; `forks`: a row forks (the
     copy-on-write kernel runs); `swap_in`: a row resumes from host memory."""
     c = engine.config
     num_rows = min(num_tokens, c.max_num_seqs)
-    counts = [1] * (num_rows - 1) + [num_tokens - num_rows + 1]
-    seqs = _sequences([1] * (num_rows - 1) + [c.max_model_len])
+    counts = [num_tokens // num_rows + (i < num_tokens % num_rows) for i in range(num_rows)]
+    seqs = _sequences(counts[:-1] + [max(c.max_model_len, counts[-1])])
     for seq, n in zip(seqs, counts):
         seq.num_computed = seq.num_tokens - n
     plan = Plan(scheduled=list(zip(seqs, counts)))
