@@ -133,7 +133,8 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
     chosen_len = max_model_len
     max_model_len = max_model_len or min(limit, 4096 if on_cpu else limit)
     bytes_per_block = attention.bytes_per_block(model_config.num_layers, model_config.num_kv_heads,
-                                                block_size, model_config.head_dim, kv_dtype)
+                                                block_size, model_config.head_dim, kv_dtype,
+                                                layout=attention.cache_layout(attention_backend))
     step_tokens = max(max_num_batched_tokens, num_decode_steps or 8)
     per_seq = blocks_per_seq(max_model_len, block_size, sliding_window, step_tokens)
     useful = max_num_seqs * per_seq + 1  # more could never be used

@@ -120,9 +120,9 @@ def test_tensor_parallel_compiles_over_compile_only_devices(tmp_path, tp):
 
 def test_a_batch_that_cannot_fit_fails_naming_the_program_and_bytes(tmp_path):
     status, figures, err = compile_for_gpu(tmp_path, "h100", "llama-3.1-8b", "--programs", "largest",
-                                           "--max-num-batched-tokens", str(1 << 19))
+                                           "--max-num-batched-tokens", str(1 << 20))
     assert status == 1 and figures is None
-    assert "does not fit: prefill T=524288 B=256 W=8192 needs " in err
+    assert "does not fit: prefill T=1048576 B=256 W=8192 needs " in err
     temp = int(err.split("W=8192 needs ")[1].split()[0])
     assert temp > 0.9 * int(gpu_target.gpu_spec("h100").memory_bytes * 0.75) - 2 * parameter_count("llama-3.1-8b")
 
