@@ -94,3 +94,35 @@ def roofline_seconds(engine, spec: gpu_target.GpuSpec, *, tokens: int, kv_tokens
     compute = 2 * weight_count * tokens / spec.peak_bf16_flops
     memory = (engine.weight_bytes + kv_tokens * kv_per_token) / spec.bandwidth
     return steps * max(compute, memory)
+
+
+def run_seconds(engine, program, runs: int = 5) -> float:
+    """On a real GPU (engine built on jax.devices()): the median seconds of one call of `program`
+    on zero weights and KV pages, a pool grown to the program's slot_lens (so attention reads the
+    contexts the roofline counts) and its own batch's shapes, after a first call that compiles."""
+    from paged_jax.core import block_pool
+    from paged_jax.worker import runner
+
+    def zeros(x):  # a ShapeDtypeStruct -> zeros where it is placed; anything else (graphdef) as is
+        if not isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        return jax.jit(lambda: jax.numpy.zeros(x.shape, x.dtype), out_shardings=x.sharding)()
+
+    c = engine.config
+    args = [a if isinstance(a, runner.DeviceState) else jax.tree.map(zeros, a) for a in program.args]
+    for i, a in enumerate(args):
+        if isinstance(a, runner.DeviceState):
+            grow = jax.jit(lambda lens: block_pool.allocate(
+                block_pool.init(c.num_blocks, c.block_size, c.max_num_seqs, c.max_blocks_per_seq), lens)[0],
+                out_shardings=jax.tree.leaves(a.pool)[0].sharding)
+            args[i] = runner.DeviceState(cache=jax.tree.map(zeros, a.cache), pool=grow(program.slot_lens),
+                                         output_counts=zeros(a.output_counts), prompt_mask=zeros(a.prompt_mask))
+    state_at = next((i for i, a in enumerate(args) if isinstance(a, runner.DeviceState)), None)
+    times = []
+    for _ in range(runs + 1):
+        start = time.perf_counter()
+        out = jax.block_until_ready(program.fn(*args, **program.static))
+        times.append(time.perf_counter() - start)
+        if state_at is not None:  # the state was donated: the next call takes the returned one
+            args[state_at] = out[0] if isinstance(out, tuple) else out
+    return sorted(times[1:])[runs // 2]

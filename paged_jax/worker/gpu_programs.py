@@ -56,6 +56,8 @@ class Program:
     steps: int = 0  # forwards through the model
     tokens: int = 0  # tokens each forward computes
     kv_tokens: int = 0  # cached tokens each forward's attention reads
+    # i32[max_num_seqs]: tokens each slot holds before the call, for running it on a real GPU
+    slot_lens: np.ndarray | None = None
 
 
 def _placed(tree, specs, mesh):
@@ -153,6 +155,13 @@ def _sequences(lengths, slot_offset=0) -> list[Sequence]:
     return seqs
 
 
+def _slot_lens(config, held) -> np.ndarray:
+    lens = np.zeros(config.max_num_seqs, np.int32)
+    for slot, n in held:
+        lens[slot] = n
+    return lens
+
+
 def _graphdef_params(engine):
     return nnx.split(engine.model)
 
@@ -187,7 +196,8 @@ def prefill_program(engine, num_tokens: int, *, forks=False, swap_in=False) -> P
     return Program(f"prefill{label} T={batch.tokens.shape[0]} B={num_rows} W={batch.hits.shape[1]}",
                    runner.prefill_step, (graphdef, params, state, _replicated(engine, batch),
                                          _replicated(engine, sp), swapped), dict(flags=flags),
-                   steps=1, tokens=num_tokens, kv_tokens=int(batch.attn_seq_lens.sum()))
+                   steps=1, tokens=num_tokens, kv_tokens=int(batch.attn_seq_lens.sum()),
+                   slot_lens=_slot_lens(c, [(s.slot, s.num_computed) for s in seqs]))
 
 
 def decode_program(engine, num_rows: int, *, random=True, penalties=False) -> Program:
@@ -206,7 +216,8 @@ def decode_program(engine, num_rows: int, *, random=True, penalties=False) -> Pr
     return Program(f"decode{kind} K={c.num_decode_steps} B={num_rows} W={width}", runner.decode_steps,
                    (graphdef, params, _state(engine, penalties=penalties), _replicated(engine, batch),
                     _replicated(engine, sp)), dict(flags=flags, num_steps=c.num_decode_steps, width=width),
-                   steps=c.num_decode_steps, tokens=num_rows, kv_tokens=sum(lengths))
+                   steps=c.num_decode_steps, tokens=num_rows, kv_tokens=sum(lengths),
+                   slot_lens=_slot_lens(c, [(s.slot, s.num_tokens - 1) for s in seqs]))
 
 
 def pool_programs(engine) -> list[Program]:

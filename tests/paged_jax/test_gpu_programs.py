@@ -77,3 +77,21 @@ def test_arguments_are_abstract_and_placed(built):
     batch = program.args[3]
     assert batch.slots.shape == (64,)
     assert (program.steps, program.tokens, program.kv_tokens) == (8, 64, 63 + 8192 - 8)
+
+
+def test_a_program_runs_on_zeros_with_its_pool_grown():
+    """gpu_compile.run_seconds, what scripts/gpu_check.sh times on a lent GPU, run here on the CPU
+    with the reference backend: the decode loop's donated state is fed back and every call runs."""
+    import dataclasses
+
+    from models import Llama
+    from paged_jax.worker import gpu_compile
+    from tests.models.model_testing import tiny_config
+
+    engine = gpu_programs.build(Llama, tiny_config(), jax.devices("cpu")[:1], bytes_limit=2**28,
+                                temp_bytes=lambda program: 0, max_num_seqs=4, max_num_batched_tokens=32,
+                                max_model_len=64)
+    engine = dataclasses.replace(engine, config=dataclasses.replace(engine.config, attention_backend="reference"))
+    program = gpu_programs.decode_program(engine, 4)
+    assert list(program.slot_lens) == [0, 0, 0, 64 - 8 - 1]  # the long row's cached tokens
+    assert gpu_compile.run_seconds(engine, program, runs=2) > 0
