@@ -79,8 +79,10 @@ def test_llama_3_1_8b_at_gpu_defaults_compiles_and_fits(tmp_path, gpu):
     check_sized_as_vllm(figures, gpu, "llama-3.1-8b")
     c = figures["config"]
     assert (c["max_num_seqs"], c["max_num_batched_tokens"], c["max_model_len"]) == (256, 8192, 131072)
-    # the pool is donated: its size does not enter the temps (the probe compiled it with 2 blocks)
-    assert program(figures, "prefill T=8192")["temp_bytes"] == figures["activation_bytes"]
+    # the KV pages are donated: the pool's size enters the temps (the probe compiled a 2-block pool)
+    # only through the block pool's bookkeeping, a few i32 a block
+    difference = program(figures, "prefill T=8192")["temp_bytes"] - figures["activation_bytes"]
+    assert 0 <= difference <= 16 * c["num_blocks"]
     assert program(figures, "decode K=8 B=256")["name"] == "decode K=8 B=256 W=8192"  # tables 131072 tokens wide
 
 
