@@ -78,11 +78,12 @@ def abstract_model(model_cls, model_config, mesh: Mesh):
         sharding.check_mesh(mesh, model_config)
     graphdef, state = nnx.split(model)
 
-    def place(path, x):
+    def place(path, x):  # the pure dict's paths end in the parameter's name
         spec = sharding.PARAM_SPECS[str(path[-1].key)] if tp > 1 else P()
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
 
-    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(place, state))
+    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(place, nnx.to_pure_dict(state)))
+    return nnx.merge(graphdef, state)
 
 
 def weight_bytes_per_device(model) -> int:
