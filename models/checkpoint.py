@@ -94,8 +94,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def read_config(path, *, dtype=None) -> LlamaConfig:
-    """`path/config.json` as our config; `dtype` (None: the checkpoint's) overrides the compute dtype."""
-    file = Path(path) / "config.json"
+    """`path/config.json` (or `path` itself, a config.json file) as our config; `dtype` (None: the
+    checkpoint's) overrides the compute dtype."""
+    file = Path(path) if Path(path).is_file() else Path(path) / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"{file}: missing; a checkpoint directory needs an HF-style config.json")
     hf = json.loads(file.read_text())

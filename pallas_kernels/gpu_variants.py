@@ -90,7 +90,8 @@ def engine_builds():
     """-> [(Variant, arch)]: every kernel x dtype x head_dim at GQA 4 and block_size 16 for each
     GPU target; each GQA group and block size for decode and ragged at hd128 (f32, bf16) on sm_90
     (these only change constants in the same IR), and block_size 12 for each kernel; soft cap and
-    sliding window (Gemma-2: hd256, GQA 2) for each attention kernel and dtype on each target."""
+    sliding window (Gemma-2: hd256, GQA 2) for each attention kernel and dtype on each target;
+    head_dim 96 (Phi-3: bf16, no GQA, block_size 16 and 32) for each attention kernel and target."""
     base = [Variant(k, d, h) for k in KERNELS for d in DTYPES for h in HEAD_DIMS]
     shapes = [Variant(k, d, 128, g, b) for k in ("decode", "ragged") for d in ("float32", "bfloat16")
               for g in GROUPS for b in BLOCK_SIZES if (g, b) != (4, 16)]
@@ -98,7 +99,9 @@ def engine_builds():
               for d in DTYPES]
     # block_size need not be a power of two: keys are gathered token by token
     odd = [Variant(k, "bfloat16", 128, 4, 12) for k in KERNELS]
-    every = [(v, arch) for v in base + capped for arch in targets.GPU_TARGETS]
+    # Phi-3's head_dim 96 without GQA, at both block sizes: sm_80 decode has its own tile row
+    phi3 = [Variant(k, "bfloat16", 96, 1, b) for k in ATTENTION for b in BLOCK_SIZES]
+    every = [(v, arch) for v in base + capped + phi3 for arch in targets.GPU_TARGETS]
     return every + [(v, targets.DEFAULT_GPU) for v in shapes + odd] + quantized_builds()
 
 

@@ -37,7 +37,10 @@ DECODE_TILES = {
     "sm_90": {(2, 64): (64, 4, 2), (2, 128): (64, 4, 2), (2, 256): (16, 8, 2),
               (4, 64): (64, 8, 2), (4, 128): (32, 8, 2), (4, 256): (16, 8, 2)},
 }
-DECODE_TILES["sm_80"] = DECODE_TILES["sm_90"]  # they fit the A100 too: <= 50 KB of 163 KB shared
+# They fit the A100 too (<= 50 KB of 163 KB shared), but for 16-bit hd96 (Phi-3): at hd128's row
+# it spilled one store (128 registers, 8 bytes of stack) at block_size 32; half the keys a step
+# need 72-96 registers and spill none (scripts/check_gpu_kernels.py --head-dims 96 --archs sm_80).
+DECODE_TILES["sm_80"] = {**DECODE_TILES["sm_90"], (2, 96): (32, 4, 2)}
 # int8/fp8 pages: the cast keys and the scale vectors take registers. At the rows above f32 hd128
 # spilled 94 stores (sm_90) and 16-bit hd128 one store (sm_90, 4 warps)
 # (scripts/check_gpu_kernels.py --quantized).
@@ -52,6 +55,8 @@ def decode_tiles(dtype, head_dim, arch=None, quantized=False):
     key = jnp.dtype(dtype).itemsize, pow2_at_least(head_dim, 64)
     if quantized:
         rows = {**rows, **QUANTIZED_DECODE_TILES}
+    elif (key[0], head_dim) in rows:  # a row for this head_dim itself, ahead of its power of two's
+        key = key[0], head_dim
     block_n, num_warps, num_stages = rows[key]
     return dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
 

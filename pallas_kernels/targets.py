@@ -51,11 +51,15 @@ def lowered_capability(name):
 
 def _device():
     """-> (platform, device_kind, compute capability or None) of the device being built for: the
-    abstract one in force, unless it just mirrors the local device (as a concrete mesh's does)."""
+    abstract one in force, unless it just mirrors the local device (as a concrete mesh's does), else
+    a GPU set as jax's default device (`with jax.default_device(...)`), else the local device."""
     local = jax.local_devices()[0]
     abstract = jax.sharding.get_abstract_mesh().abstract_device
     if abstract is not None and abstract.device_kind != local.device_kind:
         return abstract.platform, abstract.device_kind, None
+    default = jax.config.jax_default_device
+    if isinstance(default, jax.Device) and default.platform == "gpu":  # a compile-only GPU (gpu_target.py)
+        local = default
     return local.platform, local.device_kind, getattr(local, "compute_capability", None)
 
 

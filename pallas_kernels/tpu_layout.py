@@ -35,8 +35,23 @@ def tpu_block_sizes(num_tokens, max_blocks_per_seq, target=None):
                 num_queries_per_block=min(queries, num_tokens))
 
 
+# jax's kernel tiles head_dim by the TPU's 128 lanes (its softmax statistics are 128 lanes wide and
+# broadcast over head_dim): a smaller head_dim (64: SmolLM2, Llama-3.2-1B, Qwen2.5-0.5B) trips an
+# assert in its lowering. The cache stores head_dim padded to a multiple of 128 with zeros, as
+# tpu-inference pads it for the same kernel; zero lanes change no dot product.
+LANES = 128
+
+
+def padded_head_dim(head_dim):
+    return -(-head_dim // LANES) * LANES
+
+
 def kv_pages_shape(num_blocks, block_size, num_kv_heads, head_dim):
-    return (num_blocks, block_size, 2 * num_kv_heads, head_dim)
+    return (num_blocks, block_size, 2 * num_kv_heads, padded_head_dim(head_dim))
+
+
+def _pad_last(x, size):  # [..., d] -> [..., size], zeros after d
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
 def write_kv_tpu(
@@ -45,9 +60,11 @@ def write_kv_tpu(
     v,  # [num_tokens, num_kv_heads, head_dim]
     slot_mapping,  # i32[num_tokens]; block_id * block_size + offset, -1 = skip
 ):
-    """-> kv_pages with token t's K and V at its slot."""
+    """-> kv_pages with token t's K and V at its slot (zeros past k's head_dim, if the pages are
+    wider: padded_head_dim)."""
     num_blocks, block_size, combined, head_dim = kv_pages.shape
     num_slots = num_blocks * block_size
+    k, v = _pad_last(k, head_dim), _pad_last(v, head_dim)
     kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], combined, head_dim)  # K, V per head
     slots = jnp.where((slot_mapping >= 0) & (slot_mapping < num_slots), slot_mapping, num_slots)
     flat = kv_pages.reshape(num_slots, combined, head_dim)  # merges major dims: no copy
@@ -68,7 +85,7 @@ def copy_blocks_tpu(
 
 def ragged_paged_attention_tpu(
     q,  # [num_tokens, num_heads, head_dim]
-    kv_pages,  # [num_blocks, block_size, 2 * num_kv_heads, head_dim]
+    kv_pages,  # [num_blocks, block_size, 2 * num_kv_heads, head_dim or padded_head_dim(head_dim)]
     block_tables,  # i32[num_seqs, max_blocks_per_seq]
     seq_lens,  # i32[num_seqs]; 0 marks a padding sequence
     query_start_loc,  # i32[num_seqs + 1]
@@ -86,9 +103,10 @@ def ragged_paged_attention_tpu(
     checks.check_rank("q", q, 3)
     checks.check_rank("kv_pages", kv_pages, 4)
     num_tokens, num_heads, head_dim = q.shape
-    if kv_pages.shape[3] != head_dim or kv_pages.shape[2] % 2:
+    width = padded_head_dim(head_dim)
+    if kv_pages.shape[3] not in (head_dim, width) or kv_pages.shape[2] % 2:
         raise ValueError("kv_pages must be [num_blocks, block_size, 2 * num_kv_heads, "
-                         f"{head_dim}], got {kv_pages.shape}")
+                         f"{head_dim} or {width}], got {kv_pages.shape}")
     if num_heads % (kv_pages.shape[2] // 2):
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
                          f"{kv_pages.shape[2] // 2}")
@@ -96,11 +114,13 @@ def ragged_paged_attention_tpu(
     num_seqs = block_tables.shape[0]
     block_tables, seq_lens, query_start_loc = (
         jnp.asarray(x).astype(jnp.int32) for x in (block_tables, seq_lens, query_start_loc))
+    # The engine's cache is already `width` wide (kv_pages_shape); only an unpadded one is copied.
     out = rpa.ragged_paged_attention(
-        q, kv_pages, seq_lens, block_tables, query_start_loc, jnp.array([num_seqs], jnp.int32),
+        _pad_last(q, width), _pad_last(kv_pages, width), seq_lens, block_tables, query_start_loc,
+        jnp.array([num_seqs], jnp.int32),
         sm_scale=head_dim**-0.5 if sm_scale is None else sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window,
         **tpu_block_sizes(num_tokens, block_tables.shape[1]))
-    out = jnp.pad(out, ((0, num_tokens - out.shape[0]), (0, 0), (0, 0)))
+    out = jnp.pad(out[..., :head_dim], ((0, num_tokens - out.shape[0]), (0, 0), (0, 0)))
     _, lo, hi = token_spans(block_tables, seq_lens, query_start_loc, num_tokens, sliding_window)
     return jnp.where((hi > lo)[:, None, None], out, 0).astype(q.dtype)

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one run on a lent one, under 10 minutes, into one report:
+# Everything that needs a GPU, in one run on a lent one, under 10 minutes (steps 1-3; step 4 adds
+# at most 200 s), into one report:
 #   1. the gpu-marked tests: the compiled kernels against the references, the engine on the GPU
 #   2. the kernel benchmark: ours at its DECODE_TILES row, jax's own kernel where this jax has it,
 #      dense attention over contiguous K/V (also written as JSON)
 #   3. the engine end to end on the embedded model: the Pallas backend against the reference
 #      backend, greedy tokens compared and tok/s of each
+#   4. the engine's programs for Llama-3.1-8B at GPU defaults, each timed beside its roofline
+#      estimate (scripts/time_gpu_programs.py; the estimates are what compile_for_gpu.py prints)
 # From a source checkout with no install step (pytest's pythonpath is ".", the scripts put the
 # checkout on sys.path); it needs jax with CUDA, flax and the project's dependencies present.
 #   bash scripts/gpu_check.sh [REPORT_DIR]    (default: gpu_check/; the report is REPORT_DIR/report.md)
@@ -60,6 +63,13 @@ for i, (a, b) in enumerate(zip(tokens["pallas"], tokens["reference"])):
     print(f"prompt {i}: {'identical' if a == b else f'first difference at token {same}'}")
 sys.exit(0 if tokens["pallas"] == tokens["reference"] else 1)
 EOF
+
+# 4. the engine's programs at the sizes users run (Llama-3.1-8B's config, 256 sequences, its whole
+#    context), timed beside the roofline estimates scripts/compile_for_gpu.py prints without a GPU
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+case "$gpu" in *H200*) target=h200;; *A100*) target=a100;; *B200*) target=b200;; *) target=h100;; esac
+step "engine programs: measured beside the roofline ($target)" 200 "$python" scripts/time_gpu_programs.py \
+    --gpu "$target" --model tests/data/configs/llama-3.1-8b.json --programs quick
 
 rm -f "$out/step.log"
 echo "wrote $report (exit status $status)"

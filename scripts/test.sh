@@ -8,6 +8,8 @@
 #     installs today; no torch there (that CUDA download), so the parity tests skip on this line.
 # Both lines compile the kernels to cubins (tests/pallas_kernels/test_cubin.py); the IR is the
 # same, so the second line reads the first one's stats (pallas_kernels/cubin.py: CACHE_DIR).
+# Line 2 also installs the gpu-compile extra: XLA's GPU compiler, which compiles the engine's whole
+# programs for an H100, H200 and A100 without one (tests/paged_jax/test_compile_for_gpu.py).
 # The suite runs on PYTEST_WORKERS pytest-xdist workers (2: the CI machine's cores), a test file on
 # one worker (--dist loadfile), so a module's fixtures (servers, engines) are built once.
 set -euo pipefail
@@ -29,7 +31,7 @@ fi
 venv=.venv-jax-latest/bin/python
 $venv -m pip install -q --upgrade pip
 $venv -m pip install -q --upgrade jax flax
-$venv -m pip install -q -e ".[test]"
+$venv -m pip install -q -e ".[test,gpu-compile]"
 echo "== jax line 2: $($venv --version), jax $($venv -c 'import jax; print(jax.__version__)')"
 $venv -m pytest -q "${workers[@]}" "$@" || status=$?
 exit $status

@@ -90,13 +90,15 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
             max_num_batched_tokens, max_model_len, num_decode_steps, long_prefill_token_threshold,
             enable_prefix_caching, attention_backend, kv_dtype, kv_shards=1, sliding_window=None,
             kv_cache_dtype="auto", preemption_mode="recompute", swap_space=4,
-            enable_host_prefix_cache=False) -> EngineConfig:
+            enable_host_prefix_cache=False, memory_stats=None) -> EngineConfig:
     """`kv_shards`: devices the KV heads are split over (tensor parallelism); the budget is per
     device, so each block costs a device 1 / kv_shards of its bytes. `sliding_window`: the window every
     layer shares, which bounds the blocks a sequence holds (and so what the pool can use), not its length. `activation_bytes(num_tokens,
     max_num_seqs, max_model_len)` measures the activation peak of the largest step (called only on a
     device with memory stats). `kv_dtype`: the pages' dtype (int8/fp8 for `kv_cache_dtype` "int8" /
-    "fp8_e4m3", whose per-token scales count in each block's bytes)."""
+    "fp8_e4m3", whose per-token scales count in each block's bytes). `memory_stats`: the device's
+    (`bytes_limit`, `bytes_in_use`) when it is not the local one (a compile-only GPU); None reads them
+    from the local device."""
     _check_positive(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                     num_decode_steps=num_decode_steps)
@@ -131,7 +133,8 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
     chosen_len = max_model_len
     max_model_len = max_model_len or min(limit, 4096 if on_cpu else limit)
     bytes_per_block = attention.bytes_per_block(model_config.num_layers, model_config.num_kv_heads,
-                                                block_size, model_config.head_dim, kv_dtype)
+                                                block_size, model_config.head_dim, kv_dtype,
+                                                layout=attention.cache_layout(attention_backend))
     step_tokens = max(max_num_batched_tokens, num_decode_steps or 8)
     per_seq = blocks_per_seq(max_model_len, block_size, sliding_window, step_tokens)
     useful = max_num_seqs * per_seq + 1  # more could never be used
@@ -139,7 +142,8 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
         budget = kv_budget_bytes(
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_fraction=kv_cache_memory_fraction,
             activation_bytes=activation_bytes and (lambda: activation_bytes(max_num_batched_tokens, max_num_seqs,
-                                                                            max_model_len)))
+                                                                            max_model_len)),
+            memory_stats=memory_stats)
         num_blocks = min(useful, budget * kv_shards // bytes_per_block)
     if num_blocks < 2:
         raise ValueError(f"the KV cache holds {num_blocks} blocks of {bytes_per_block} bytes; "

@@ -105,8 +105,11 @@ class KVCache:
         return bytes_per_block(self.num_layers, kvh, bs, d, self.k_pages.dtype)
 
 
-def bytes_per_block(num_layers, num_kv_heads, block_size, head_dim, dtype) -> int:
-    """KV bytes of one pool block across all layers, K and V, with their scales if quantized."""
+def bytes_per_block(num_layers, num_kv_heads, block_size, head_dim, dtype, layout="paged") -> int:
+    """KV bytes of one pool block across all layers, K and V, with their scales if quantized; the
+    "tpu" layout stores head_dim padded to the TPU's lanes (pk.kv_pages_shape)."""
+    if layout == "tpu":
+        head_dim = pk.kv_pages_shape(1, 1, 1, head_dim)[3]
     return (2 * num_layers * num_kv_heads * block_size
             * quantization.bytes_per_token_head(head_dim, dtype))
 

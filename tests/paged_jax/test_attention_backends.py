@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.worker.attention import (AttentionMetadata, KVCache, attend, cache_layout, copy_blocks,
-                                 resolve_backend)
+from paged_jax.worker.attention import (AttentionMetadata, KVCache, attend, bytes_per_block, cache_layout,
+                                        copy_blocks, resolve_backend)
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, NUM_HEADS, HEAD_DIM = 2, 8, 4, 2, 4, 16
 
@@ -59,7 +59,9 @@ def assert_caches_equal(cache, reference):
     if cache.layout == "tpu":  # back to [kv_heads, blocks, block_size, dim] pairs
         blocks, size, heads, dim = cache.kv_pages.shape
         kv = cache.kv_pages.reshape(blocks, size, heads // 2, 2, dim).transpose(3, 2, 0, 1, 4)
-        pages = (kv[0], kv[1])
+        head_dim = reference.k_pages.shape[-1]
+        assert not np.asarray(kv[..., head_dim:]).any()  # the lanes past head_dim stay zeros
+        pages = (kv[0, ..., :head_dim], kv[1, ..., :head_dim])
     else:
         pages = (cache.k_pages, cache.v_pages)
     for got, expected in zip(pages, (reference.k_pages, reference.v_pages)):
@@ -91,9 +93,10 @@ def test_copy_blocks_backends_match_reference(backend, tpu_kernel_on_cpu):
 
 def test_layouts_and_backends_must_match(monkeypatch):
     tpu_cache = KVCache.create(1, 4, 4, 1, 16, layout="tpu")
-    assert tpu_cache.kv_pages.shape == (4, 4, 2, 16) and tpu_cache.k_pages is None
+    assert tpu_cache.kv_pages.shape == (4, 4, 2, 128) and tpu_cache.k_pages is None  # head_dim padded to 128 lanes
     assert (tpu_cache.num_blocks, tpu_cache.block_size) == (4, 4)
-    assert tpu_cache.bytes_per_block == KVCache.create(1, 4, 4, 1, 16).bytes_per_block == 512
+    assert KVCache.create(1, 4, 4, 1, 16).bytes_per_block == 512
+    assert tpu_cache.bytes_per_block == bytes_per_block(1, 1, 4, 16, jnp.float32, layout="tpu") == 512 * 8
     md, (q, k, v) = next(steps())
     with pytest.raises(ValueError, match="'reference' cannot read a 'tpu' KV cache"):
         attend(q, k, v, tpu_cache, 0, md, backend="reference")

@@ -1,6 +1,7 @@
 """The engine's whole TPU path lowers on a machine without a TPU: its prefill step and decode loop with
 attention_backend="tpu", exported for TPU v5e and v6e (an abstract device names the chip), hold jax's
-Mosaic ragged paged attention kernel. The inputs are the shapes a real engine step builds."""
+Mosaic ragged paged attention kernel, at head_dim 128 and 64. The inputs are the shapes a real engine
+step builds."""
 import dataclasses
 
 import jax
@@ -16,11 +17,12 @@ def spec(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x
 
 
-@pytest.fixture(scope="module")
-def step_inputs():
+@pytest.fixture(scope="module", params=[128, 64], ids=lambda d: f"hd{d}")
+def step_inputs(request):
     """{name: (args, kwargs)} of the first prefill_step and decode_steps calls of an engine on the
-    reference backend, as shapes, its cache swapped for the TPU layout and its flags for "tpu"."""
-    model = random_model(tiny_config(num_heads=8, num_kv_heads=2, head_dim=128))
+    reference backend, as shapes, its cache swapped for the TPU layout and its flags for "tpu".
+    head_dim 64 (SmolLM2, Llama-3.2-1B, Qwen2.5-0.5B): the TPU cache pads it to 128 lanes."""
+    model = random_model(tiny_config(num_heads=8, num_kv_heads=2, head_dim=request.param))
     engine = LLMEngine(model, block_size=16, num_blocks=32, max_num_seqs=4, attention_backend="reference",
                        log_stats=False)
     tpu_cache = jax.eval_shape(lambda: model.init_cache(32, 16, layout="tpu"))

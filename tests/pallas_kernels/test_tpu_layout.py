@@ -13,7 +13,7 @@ import pytest
 from pallas_kernels import (copy_blocks_reference, copy_blocks_tpu,
                             ragged_paged_attention_reference, ragged_paged_attention_tpu, targets,
                             write_kv_reference, write_kv_tpu)
-from pallas_kernels.tpu_layout import TPU_BLOCKS, tpu_block_sizes
+from pallas_kernels.tpu_layout import TPU_BLOCKS, kv_pages_shape, tpu_block_sizes
 from tests.pallas_kernels.paged_batches import TOL, dense_attention, make_batch, rel_err
 
 RPA = "jax.experimental.pallas.ops.tpu.ragged_paged_attention"  # in jax 0.10 and 0.12 alike
@@ -76,17 +76,40 @@ def test_cache_writes_match_the_paged_layout():
     np.testing.assert_array_equal(got, expected)
 
 
-def tpu_args(num_tokens, max_blocks_per_seq, num_seqs=8):
-    """Abstract inputs of a Llama-3.1-8B-like layer: 8 query heads on 2 KV heads, hd128, bf16."""
+def test_head_dim_64_pages_are_padded_to_the_lanes(tpu_kernel_on_cpu):
+    """jax's kernel needs head_dim in whole 128-lane tiles: the cache stores hd 64 as 128, zeros
+    after 64, and attention through it is attention at hd 64."""
+    seq_lens, q_lens = [9, 20, 5], [9, 3, 1]
+    batch = make_batch(23, seq_lens, q_lens, head_dim=64, block_size=8)
+    num_blocks = batch["k_pages"].shape[1]
+    assert kv_pages_shape(num_blocks, 8, 2, 64) == (num_blocks, 8, 4, 128)
+    rng = np.random.default_rng(1)
+    k, v = (jnp.asarray(rng.standard_normal((3, 2, 64)), jnp.float32) for _ in range(2))
+    slots = jnp.array([2, 11, 40], jnp.int32)
+    padded = write_kv_tpu(jnp.pad(interleave(batch["k_pages"], batch["v_pages"]), [(0, 0)] * 3 + [(0, 64)]),
+                          k, v, slots)
+    assert padded.shape == kv_pages_shape(num_blocks, 8, 2, 64) and not np.asarray(padded[..., 64:]).any()
+    k_pages, v_pages = write_kv_reference(batch["k_pages"], batch["v_pages"], k, v, slots)
+    names = ("block_tables", "seq_lens", "query_start_loc")
+    out = ragged_paged_attention_tpu(batch["q"], padded, *(batch[n] for n in names))
+    reference = ragged_paged_attention_reference(batch["q"], k_pages, v_pages, *(batch[n] for n in names))
+    assert out.shape == batch["q"].shape
+    assert rel_err(out, reference) <= TOL[jnp.float32]
+
+
+def tpu_args(num_tokens, max_blocks_per_seq, num_seqs=8, head_dim=128):
+    """Abstract inputs of a Llama-3.1-8B-like layer: 8 query heads on 2 KV heads, hd128, bf16
+    (SmolLM2-like at head_dim 64: its pages as the engine's cache holds them, kv_pages_shape)."""
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
-    return (jax.ShapeDtypeStruct((num_tokens, 8, 128), jnp.bfloat16),
-            jax.ShapeDtypeStruct((1024, 16, 4, 128), jnp.bfloat16),
+    return (jax.ShapeDtypeStruct((num_tokens, 8, head_dim), jnp.bfloat16),
+            jax.ShapeDtypeStruct(kv_pages_shape(1024, 16, 2, head_dim), jnp.bfloat16),
             i32((num_seqs, max_blocks_per_seq)), i32((num_seqs,)), i32((num_seqs + 1,)))
 
 
 @pytest.mark.parametrize("target", targets.TPU_TARGETS)
+@pytest.mark.parametrize("head_dim", [128, 64])
 @pytest.mark.parametrize("num_tokens,max_blocks,blocks", [(128, 512, (16, 32)), (20, 7, (7, 20))])
-def test_lowers_to_mosaic_for_each_tpu(monkeypatch, target, num_tokens, max_blocks, blocks):
+def test_lowers_to_mosaic_for_each_tpu(monkeypatch, target, head_dim, num_tokens, max_blocks, blocks):
     """On this CPU machine jax's TPU kernel lowers to one Mosaic `tpu_custom_call` for the TPU the
     abstract device names, with TPU_BLOCKS' block sizes (capped by the table and the tokens)."""
     rpa = importlib.import_module(RPA)
@@ -99,7 +122,7 @@ def test_lowers_to_mosaic_for_each_tpu(monkeypatch, target, num_tokens, max_bloc
     monkeypatch.setattr(rpa, "ragged_paged_attention", spy)
     with targets.abstract_target(target):
         exported = jax.export.export(jax.jit(ragged_paged_attention_tpu), platforms=("tpu",))(
-            *tpu_args(num_tokens, max_blocks))
+            *tpu_args(num_tokens, max_blocks, head_dim=head_dim))
     module = exported.mlir_module()
     assert module.count("stablehlo.custom_call @tpu_custom_call(") == 1
     assert 'kernel_name = "ragged_paged_attention_kernel"' in module

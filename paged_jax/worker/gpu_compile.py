@@ -1,0 +1,123 @@
+"""Compile the engine's programs (`gpu_programs`) for a GPU that is not here and read what XLA says
+about each: compile seconds, memory (arguments, outputs, temps), cost (flops, bytes accessed) and the
+roofline time those give on the GPU's peak and bandwidth; then whether the engine fits.
+
+A compile's figures are kept in CACHE_DIR under the hash of the lowered program, the GPU's target
+config and the jax version, so a run whose programs did not change compiles nothing again (as
+pallas_kernels/cubin.py keeps cubin stats)."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+import time
+
+import jax
+
+from pallas_kernels import gpu_target
+
+CACHE_DIR = os.environ.get("PAGED_JAX_GPU_COMPILE_CACHE",
+                           os.path.join(os.path.expanduser("~"), ".cache", "paged-jax", "gpu-compile"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramStats:
+    name: str
+    compile_seconds: float  # 0.0 when read from CACHE_DIR
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int  # outputs that reuse donated arguments (the KV pages, the pool)
+    temp_bytes: int
+    flops: float
+    bytes_accessed: float
+    cached: bool = False
+
+    def roofline_seconds(self, spec: gpu_target.GpuSpec) -> float:
+        """The longer of compute at the bf16 matrix peak and memory traffic at full bandwidth."""
+        return max(self.flops / spec.peak_bf16_flops, self.bytes_accessed / spec.bandwidth)
+
+
+def _cache_file(lowered_text: str, gpu: str) -> str:
+    key = hashlib.sha256("\0".join([lowered_text, gpu_target.target_config_text(gpu), jax.__version__]).encode())
+    return os.path.join(CACHE_DIR, key.hexdigest()[:40] + ".json")
+
+
+def compile_program(program, gpu: str, device, *, use_cache: bool = True) -> ProgramStats:
+    """Lower and compile `program` (gpu_programs.Program) for compile-only `device` of `gpu`.
+    Under jax.default_device(device) the Pallas kernels' tile tables and Triton lowering target its
+    architecture. Raises what XLA raises when the program does not compile."""
+    with jax.default_device(device):
+        lowered = program.fn.trace(*program.args, **program.static).lower()
+        path = _cache_file(lowered.as_text(), gpu)
+        if use_cache and os.path.exists(path):
+            with open(path) as f:
+                return ProgramStats(**{**json.load(f), "name": program.name, "compile_seconds": 0.0, "cached": True})
+        start = time.perf_counter()
+        compiled = lowered.compile()
+        seconds = time.perf_counter() - start
+    memory, cost = compiled.memory_analysis(), gpu_target.compiled_cost(compiled)
+    stats = ProgramStats(name=program.name, compile_seconds=seconds, argument_bytes=memory.argument_size_in_bytes,
+                         output_bytes=memory.output_size_in_bytes, alias_bytes=memory.alias_size_in_bytes,
+                         temp_bytes=memory.temp_size_in_bytes, flops=cost.get("flops", 0.0),
+                         bytes_accessed=cost.get("bytes accessed", 0.0))
+    if use_cache:
+        os.makedirs(CACHE_DIR, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=CACHE_DIR, delete=False) as f:
+            json.dump(dataclasses.asdict(stats), f)
+        os.replace(f.name, path)
+    return stats
+
+
+def does_not_fit(engine, stats: list[ProgramStats], bytes_limit: int) -> str | None:
+    """-> why weights + KV pool + the largest program's temp buffers exceed what jax may allocate on
+    the GPU (`bytes_limit`, one device's share of each), naming that program and the bytes; None
+    when they fit."""
+    largest = max(stats, key=lambda s: s.temp_bytes)
+    need = engine.weight_bytes + engine.kv_bytes + largest.temp_bytes
+    if need <= bytes_limit:
+        return None
+    return (f"does not fit: weights {engine.weight_bytes / 2**30:.2f} GiB + KV pool {engine.kv_bytes / 2**30:.2f} GiB "
+            f"+ temp of {largest.name!r} {largest.temp_bytes / 2**30:.2f} GiB = {need / 2**30:.2f} GiB "
+            f"({need} bytes) > jax's limit on the GPU {bytes_limit / 2**30:.2f} GiB ({bytes_limit} bytes)")
+
+
+def roofline_seconds(engine, spec: gpu_target.GpuSpec, *, tokens: int, kv_tokens: int, steps: int = 1) -> float:
+    """The floor of `steps` forwards of `tokens` tokens each, whose attention reads `kv_tokens`
+    cached tokens: the longer of the weights' matmuls (2 flops a weight a token) at the bf16 peak
+    and every weight and cached token's K/V read once at the bandwidth, one device's share of each.
+    Attention's own flops are left out (small beside the weights' below ~8k tokens of context)."""
+    c = engine.config
+    kv_per_token = c.bytes_per_block / c.block_size / engine.placement.size
+    weight_count = engine.weight_bytes / jax.numpy.dtype(engine.model.config.dtype).itemsize
+    compute = 2 * weight_count * tokens / spec.peak_bf16_flops
+    memory = (engine.weight_bytes + kv_tokens * kv_per_token) / spec.bandwidth
+    return steps * max(compute, memory)
+
+
+def run_seconds(engine, program, runs: int = 5) -> float:
+    """On a real GPU (engine built on jax.devices()): the median seconds of one call of `program`
+    on zero weights and KV pages, through its batch's block tables (so attention reads the contexts
+    the roofline counts), after a first call that compiles."""
+    from paged_jax.worker import runner
+
+    def zeros(x):  # a ShapeDtypeStruct -> zeros where it is placed; anything else (graphdef) as is
+        if not isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        return jax.jit(lambda: jax.numpy.zeros(x.shape, x.dtype), out_shardings=x.sharding)()
+
+    args = [a if isinstance(a, runner.DeviceState) else jax.tree.map(zeros, a) for a in program.args]
+    for i, a in enumerate(args):
+        if isinstance(a, runner.DeviceState):
+            args[i] = runner.DeviceState(cache=jax.tree.map(zeros, a.cache), output_counts=zeros(a.output_counts),
+                                         prompt_mask=zeros(a.prompt_mask))
+    state_at = next((i for i, a in enumerate(args) if isinstance(a, runner.DeviceState)), None)
+    times = []
+    for _ in range(runs + 1):
+        start = time.perf_counter()
+        out = jax.block_until_ready(program.fn(*args, **program.static))
+        times.append(time.perf_counter() - start)
+        if state_at is not None:  # the state was donated: the next call takes the returned one
+            args[state_at] = out[0] if isinstance(out, tuple) else out
+    return sorted(times[1:])[runs // 2]

@@ -1,0 +1,264 @@
+"""The engine's programs for a GPU that is not here: the engine built as `LLM` builds it on that GPU,
+with abstract weights (shapes and shardings, nothing allocated) placed on compile-only devices
+(`pallas_kernels.gpu_target`), its KV pool sized from the GPU's memory the way
+`gpu_memory_utilization` sizes it, and every jitted entry point a warmed-up engine runs, each with
+abstract arguments built by the engine's own builders (`batching.prefill_batch` / `decode_batch` on
+a synthetic plan). The one place that knows how the runner's entry points are called: when their
+signatures change, the `*_program` functions below follow."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from paged_jax.core.scheduler import Plan
+from paged_jax.core.sequence import Request, Sequence
+from paged_jax.engine import config as config_lib
+from paged_jax.engine.sampling_params import SamplingParams
+from paged_jax.worker import batching, runner, sharding, swap
+from paged_jax.worker.attention import cache_layout, check_kv_cache_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class AbstractEngine:
+    model: Any  # the model with ShapeDtypeStruct weights, placed on `placement`
+    config: config_lib.EngineConfig
+    placement: Mesh  # the compile-only devices, axis sharding.AXIS
+    weight_bytes: int  # per device
+
+    @property
+    def mesh(self) -> Mesh | None:  # what the engine's Flags carry: None without tensor parallelism
+        return self.placement if self.placement.size > 1 else None
+
+    @property
+    def kv_bytes(self) -> int:  # per device
+        return self.config.num_blocks * self.config.bytes_per_block // self.placement.size
+
+
+class DoesNotFit(ValueError):
+    """The largest prefill step's temps leave no room for the KV pool."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    name: str
+    fn: Callable  # a jitted entry point
+    args: tuple  # abstract (ShapeDtypeStruct leaves, placed)
+    static: dict  # its static keyword arguments
+    # The model work one call does, for a roofline (XLA's cost analysis counts a loop body once):
+    steps: int = 0  # forwards through the model
+    tokens: int = 0  # tokens each forward computes
+    kv_tokens: int = 0  # cached tokens each forward's attention reads
+
+
+def _placed(tree, specs, mesh):
+    """ShapeDtypeStructs of `tree`'s leaves with NamedShardings from `specs` (a tree of
+    PartitionSpecs, or one spec for every leaf)."""
+    if isinstance(specs, P):
+        specs = jax.tree.map(lambda _: specs, tree)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=NamedSharding(mesh, s)),
+                        tree, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def abstract_model(model_cls, model_config, mesh: Mesh):
+    """The model as `LLM` holds it on `mesh`: KV heads replicated up to the mesh size, weights split
+    by sharding.PARAM_SPECS (replicated on one device); shapes only."""
+    tp = mesh.size
+    model = nnx.eval_shape(lambda: sharding.replicate_kv_heads(model_cls(model_config, rngs=nnx.Rngs(0)), tp))
+    if tp > 1:
+        sharding.check_mesh(mesh, model_config)
+    graphdef, state = nnx.split(model)
+
+    def place(path, x):  # the pure dict's paths end in the parameter's name
+        spec = sharding.PARAM_SPECS[str(path[-1].key)] if tp > 1 else P()
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(place, nnx.to_pure_dict(state)))
+    return nnx.merge(graphdef, state)
+
+
+def weight_bytes_per_device(model) -> int:
+    leaves = jax.tree.leaves(nnx.state(model))
+    return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in leaves)
+
+
+def build(model_cls, model_config, devices, *, bytes_limit: int, temp_bytes: Callable[[Program], int],
+          max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None, kv_cache_dtype: str = "auto",
+          block_size: int = 16, num_decode_steps: int = 8, gpu_memory_utilization: float | None = None):
+    """-> AbstractEngine for compile-only `devices` of one GPU kind whose jax allocator holds
+    `bytes_limit` each (gpu_target.jax_bytes_limit), sized as `LLMEngine.__init__` sizes it: config_lib.resolve, with the activation peak read from the
+    largest prefill step compiled for that GPU (`temp_bytes(program)`: its temp bytes; the KV pages
+    are donated, so a 2-block pool gives the same figure, as model_runner.activation_bytes
+    measures it). `max_model_len` None: the model's limit, cut to what the pool holds (resolve's rule
+    for a GPU; on this CPU host resolve would pick its CPU default instead)."""
+    mesh = Mesh(np.array(devices), (sharding.AXIS,))
+    model = abstract_model(model_cls, model_config, mesh)
+    backend = "pallas"  # attention_backend "auto" on a GPU
+    with jax.default_device(devices[0]):  # fp8 pages are refused by name below sm_89
+        kv_dtype = check_kv_cache_dtype(kv_cache_dtype, backend, model.config.dtype)
+    weights = weight_bytes_per_device(model)
+    sizes = dict(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+                 max_num_batched_tokens=max_num_batched_tokens,
+                 max_model_len=max_model_len or model.config.max_position_embeddings,
+                 num_decode_steps=num_decode_steps, long_prefill_token_threshold=0, enable_prefix_caching=True,
+                 attention_backend=backend, kv_dtype=kv_dtype, kv_shards=mesh.size,
+                 sliding_window=getattr(model.config, "kv_window", None), kv_cache_dtype=kv_cache_dtype)
+    probe = AbstractEngine(model, config_lib.resolve(model.config, num_blocks=2, **sizes), mesh, weights)
+
+    def activation_bytes(num_tokens, max_num_seqs, max_model_len):
+        return temp_bytes(prefill_program(probe, num_tokens))
+
+    try:
+        config = config_lib.resolve(model.config, num_blocks=None, activation_bytes=activation_bytes,
+                                    memory_stats={"bytes_limit": bytes_limit, "bytes_in_use": weights}, **sizes)
+    except ValueError as e:  # the activation peak left no room for the KV pool
+        largest = prefill_program(probe, max_num_batched_tokens)
+        raise DoesNotFit(f"{largest.name} needs {temp_bytes(largest)} bytes of temps: {e}") from e
+    if max_model_len is None and config.max_model_len > (config.num_blocks - 1) * block_size:
+        config = dataclasses.replace(config, max_model_len=(config.num_blocks - 1) * block_size)
+    return AbstractEngine(model=model, config=config, placement=mesh, weight_bytes=weights)
+
+
+# -- abstract arguments --------------------------------------------------------------------------
+
+def _replicated(engine, tree):
+    return _placed(tree, P(), engine.placement)
+
+
+def _state(engine, *, penalties=False) -> runner.DeviceState:
+    c, model = engine.config, engine.model
+    cache = jax.eval_shape(lambda: model.init_cache(c.num_blocks, c.block_size, layout=cache_layout(c.attention_backend),
+                                                    kv_cache_dtype=c.kv_cache_dtype))
+    specs = sharding.cache_specs(cache) if engine.mesh is not None else P()
+    vocab = model.config.vocab_size if penalties else 0
+    return runner.DeviceState(cache=_placed(cache, specs, engine.placement),
+                              output_counts=_replicated(engine, np.zeros((c.max_num_seqs, vocab), np.int32)),
+                              prompt_mask=_replicated(engine, np.zeros((c.max_num_seqs, vocab), bool)))
+
+
+def _sequences(lengths, slot_offset=0) -> list[Sequence]:
+    """Running sequences of these token counts (one sampled token each so far)."""
+    request = Request("synthetic", None, [], SamplingParams(temperature=1.0), 0.0)
+    seqs = [Sequence(request, 0, [0] * n, np.zeros(2, np.uint32)) for n in lengths]
+    for i, seq in enumerate(seqs):
+        seq.slot = slot_offset + i
+        seq.prefill_end = seq.num_tokens - 1
+    return seqs
+
+
+def _set_tables(config, plan: Plan, mapped: list[int]) -> None:
+    """What the scheduler's pool gives a plan: each row (scheduled, then forked children) a table of
+    distinct blocks covering its `mapped` tokens, as wide as the widest."""
+    blocks = [-(-n // config.block_size) for n in mapped]
+    plan.block_tables = np.zeros((len(mapped), max(blocks + [1])), np.int32)
+    for i, n in enumerate(blocks):
+        plan.block_tables[i, :n] = 1 + (np.arange(n) + i) % (config.num_blocks - 1)
+    plan.num_mapped = np.array(mapped, np.int32)
+
+
+def _graphdef_params(engine):
+    return nnx.split(engine.model)
+
+
+def prefill_program(engine, num_tokens: int, *, forks=False, swap_in=False) -> Program:
+    """A prefill step of `num_tokens` spread over as many rows as fit, the last row's chunk ending
+    at max_model_len so its table is as wide as any; `forks`: a row forks (the
+    copy-on-write kernel runs); `swap_in`: a row resumes from host memory."""
+    c = engine.config
+    num_rows = min(num_tokens, c.max_num_seqs)
+    counts = [num_tokens // num_rows + (i < num_tokens % num_rows) for i in range(num_rows)]
+    seqs = _sequences(counts[:-1] + [max(c.max_model_len, counts[-1])])
+    for seq, n in zip(seqs, counts):
+        seq.num_computed = seq.num_tokens - n
+    plan = Plan(scheduled=list(zip(seqs, counts)))
+    if forks:
+        plan.forks = [(_sequences([c.max_model_len], slot_offset=num_rows)[0], seqs[-1])]
+        plan.copies = [(1, 2)]
+    if swap_in:
+        plan.swap_in = [(seqs[-1].slot, [1], 0)]
+    _set_tables(c, plan, [s.num_tokens for s in seqs] + [child.num_tokens for child, _ in plan.forks])
+    batch = batching.prefill_batch(plan, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
+                                   max_blocks_per_seq=c.max_blocks_per_seq, token_cap=c.max_num_batched_tokens)
+    rows = batching.prefill_rows(plan)
+    sp = batching.row_params(rows, batch.slots.shape[0], (), c.max_model_len)
+    state = _state(engine)
+    swapped = None
+    if swap_in:
+        swapped = jax.eval_shape(swap.gather_blocks, state.cache, jax.ShapeDtypeStruct(batch.swap_blocks.shape, jnp.int32))
+        swapped = _placed(swapped, sharding.cache_specs(swapped) if engine.mesh is not None else P(), engine.placement)
+    graphdef, params = _graphdef_params(engine)
+    flags = runner.Flags(backend=c.attention_backend, mesh=engine.mesh, random=True, forks=forks)
+    label = "+forks" if forks else "+swap-in" if swap_in else ""
+    return Program(f"prefill{label} T={batch.tokens.shape[0]} B={num_rows} W={batch.block_tables.shape[1]}",
+                   runner.prefill_step, (graphdef, params, state, _replicated(engine, batch),
+                                         _replicated(engine, sp), swapped), dict(flags=flags),
+                   steps=1, tokens=num_tokens, kv_tokens=int(batch.attn_seq_lens.sum()))
+
+
+def decode_program(engine, num_rows: int, *, random=True, penalties=False) -> Program:
+    """A K-step decode call of `num_rows` rows, one of them at max_model_len (the widest table)."""
+    c = engine.config
+    lengths = [1] * (num_rows - 1) + [c.max_model_len - c.num_decode_steps]
+    seqs = _sequences(lengths)
+    plan = Plan(scheduled=[(s, 1) for s in seqs], is_decode=True)
+    _set_tables(c, plan, [min(s.num_tokens - 1 + c.num_decode_steps, c.max_model_len) for s in seqs])
+    batch = batching.decode_batch(plan, max_num_seqs=c.max_num_seqs, max_blocks_per_seq=c.max_blocks_per_seq)
+    width = batch.block_tables.shape[1]
+    sp = batching.row_params(seqs, batch.slots.shape[0], (), c.max_model_len)
+    graphdef, params = _graphdef_params(engine)
+    flags = runner.Flags(backend=c.attention_backend, mesh=engine.mesh, random=random, penalties=penalties)
+    kind = "" if random else " greedy"
+    kind += " +penalties" if penalties else ""
+    return Program(f"decode{kind} K={c.num_decode_steps} B={num_rows} W={width}", runner.decode_steps,
+                   (graphdef, params, _state(engine, penalties=penalties), _replicated(engine, batch),
+                    _replicated(engine, sp)), dict(flags=flags, num_steps=c.num_decode_steps),
+                   steps=c.num_decode_steps, tokens=num_rows, kv_tokens=sum(lengths))
+
+
+def pool_programs(engine) -> list[Program]:
+    """The small programs beside the steps (the pool itself is the host's): a beam-search fork's
+    block copies, penalty rows, and the swap-out gather."""
+    c = engine.config
+    i32 = functools.partial(np.zeros, dtype=np.int32)
+    state = _state(engine)
+    return [
+        Program("copy_blocks_step F=8", runner.copy_blocks_step,
+                (state, _replicated(engine, i32(8)), _replicated(engine, i32(8))), dict(backend=c.attention_backend)),
+        Program("reset_penalty_rows", runner.reset_penalty_rows,
+                (_state(engine, penalties=True), _replicated(engine, i32(8)),
+                 _replicated(engine, i32((8, c.max_model_len))), _replicated(engine, i32((8, c.max_model_len)))), {}),
+        Program("swap out (gather 8 blocks)", swap.gather_blocks, (state.cache, _replicated(engine, i32(8))), {}),
+    ]
+
+
+PROGRAM_SETS = ("all", "quick", "largest")
+
+
+def engine_programs(engine, which: str = "all") -> list[Program]:
+    """The programs a warmed-up engine runs, at the widest tables (the most memory each takes).
+    "all": each prefill token bucket and decode row bucket (warm_up's), the greedy decode loop,
+    forks, swap-in, penalties and the pool operations; "quick": the same with only the smallest and
+    largest bucket of each; "largest": the largest prefill and decode and the pool operations."""
+    if which not in PROGRAM_SETS:
+        raise ValueError(f"program set must be one of {PROGRAM_SETS}, got {which!r}")
+    c = engine.config
+    tokens = [t for t in (1 << i for i in range(4, 31)) if t < c.max_num_batched_tokens] + [c.max_num_batched_tokens]
+    rows = sorted({min(1 << i, c.max_num_seqs) for i in range(c.max_num_seqs.bit_length() + 1)})
+    if which == "largest":
+        return [prefill_program(engine, tokens[-1]), decode_program(engine, rows[-1])] + pool_programs(engine)
+    if which == "quick":
+        tokens, rows = [tokens[0], tokens[-1]], [rows[0], rows[-1]]
+    programs = [prefill_program(engine, t) for t in tokens]
+    programs += [decode_program(engine, r) for r in rows]
+    programs += [decode_program(engine, rows[-1], random=False), prefill_program(engine, tokens[0], forks=True)]
+    if which == "all":
+        programs += [decode_program(engine, rows[-1], penalties=True)]
+    if engine.mesh is None:  # preemption_mode="swap" is not built with tensor parallelism
+        programs += [prefill_program(engine, tokens[0], swap_in=True)]
+    return programs + pool_programs(engine)

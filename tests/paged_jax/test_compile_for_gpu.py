@@ -1,0 +1,146 @@
+"""The engine compiled for an H100, H200 and A100 without a GPU (scripts/compile_for_gpu.py): real
+models' configs (tests/data/configs, no weights) at GPU defaults, each run in its own process (an
+architecture mismatch aborts one). Compiled figures are cached by the lowered program's hash
+(gpu_compile.CACHE_DIR), so a run whose programs did not change only traces and lowers; cold, the
+CI set compiles for about 20 minutes of one worker. Needs the gpu-compile extra (jax line 2 of
+scripts/test.sh); skipped where the CUDA plugin is not installed. `-m slow`: every program bucket,
+and Llama-3.1-8B over 8 GPUs."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pallas_kernels import gpu_target
+
+pytest.importorskip("jax_plugins.xla_cuda12", reason="needs pip install -e '.[gpu-compile]'")
+pytestmark = pytest.mark.timeout(1800)  # a cold cache compiles Llama-3.1-8B's programs for minutes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIGS = os.path.join(ROOT, "tests", "data", "configs")
+UTILIZATION = 0.9  # vLLM's gpu_memory_utilization default, of jax's allocator limit
+
+
+def compile_for_gpu(tmp_path, gpu, model, *flags):
+    """Run the script in its own process -> (exit status, its JSON figures or None, stderr)."""
+    out = tmp_path / f"{gpu}-{model}.json"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compile_for_gpu.py"), "--gpu", gpu,
+                           "--model", os.path.join(CONFIGS, model + ".json"), "--json", str(out), *flags],
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=1700)
+    return done.returncode, json.loads(out.read_text()) if out.exists() else None, done.stderr
+
+
+def parameter_count(model):
+    """Weights of an HF config, counted from its fields (not from our model code)."""
+    hf = json.load(open(os.path.join(CONFIGS, model + ".json")))
+    hidden, inter, vocab, layers = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"], hf["num_hidden_layers"]
+    heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
+    head_dim = hf.get("head_dim") or hidden // heads
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    norms = {"llama": 2 * hidden, "qwen3": 2 * hidden + 2 * head_dim, "gemma2": 4 * hidden}[hf["model_type"]]
+    per_layer = attention + 3 * hidden * inter + norms
+    return vocab * hidden * (1 if hf.get("tie_word_embeddings", True) else 2) + hidden \
+        + layers * per_layer
+
+
+def kv_bytes_per_block(model, block_size=16, page_bytes=2, scale_bytes=0):
+    hf = json.load(open(os.path.join(CONFIGS, model + ".json")))
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    return hf["num_hidden_layers"] * 2 * hf["num_key_value_heads"] * block_size * (head_dim * page_bytes + scale_bytes)
+
+
+def program(figures, prefix):
+    return next(p for p in figures["programs"] if p["name"].startswith(prefix))
+
+
+def check_sized_as_vllm(figures, gpu, model, *, tp=1, page_bytes=2, scale_bytes=0):
+    """The pool holds what gpu_memory_utilization leaves of jax's limit after the weights and the
+    largest prefill's temps, capped at what max_num_seqs sequences of the model's whole context
+    could use; and weights, pool and every program's temps fit."""
+    c, hf = figures["config"], json.load(open(os.path.join(CONFIGS, model + ".json")))
+    limit = int(gpu_target.gpu_spec(gpu).memory_bytes * 0.75)  # XLA_PYTHON_CLIENT_MEM_FRACTION's default
+    assert figures["bytes_limit"] == limit
+    assert c["bytes_per_block"] == kv_bytes_per_block(model, page_bytes=page_bytes, scale_bytes=scale_bytes)
+    budget = int(UTILIZATION * limit - figures["weight_bytes"] - figures["activation_bytes"])
+    useful = c["max_num_seqs"] * -(-hf["max_position_embeddings"] // c["block_size"]) + 1
+    assert c["num_blocks"] == min(useful, budget * tp // c["bytes_per_block"])
+    assert c["max_model_len"] == min(hf["max_position_embeddings"], (c["num_blocks"] - 1) * c["block_size"])
+    assert figures["failed"] == [] and figures["does_not_fit"] is None
+    temps = max(p["temp_bytes"] for p in figures["programs"])
+    assert figures["weight_bytes"] + figures["kv_bytes"] + temps <= limit
+
+
+@pytest.mark.parametrize("gpu", ["h100", "a100"])
+def test_llama_3_1_8b_at_gpu_defaults_compiles_and_fits(tmp_path, gpu):
+    status, figures, err = compile_for_gpu(tmp_path, gpu, "llama-3.1-8b", "--programs", "largest")
+    assert status == 0, err[-3000:]
+    assert figures["weight_bytes"] == 2 * parameter_count("llama-3.1-8b") == 16_060_522_496
+    check_sized_as_vllm(figures, gpu, "llama-3.1-8b")
+    c = figures["config"]
+    assert (c["max_num_seqs"], c["max_num_batched_tokens"], c["max_model_len"]) == (256, 8192, 131072)
+    # the KV pages are donated: the pool's size enters the temps (the probe compiled a 2-block pool)
+    # only through the block pool's bookkeeping, a few i32 a block
+    difference = program(figures, "prefill T=8192")["temp_bytes"] - figures["activation_bytes"]
+    assert 0 <= difference <= 16 * c["num_blocks"]
+    assert program(figures, "decode K=8 B=256")["name"] == "decode K=8 B=256 W=8192"  # tables 131072 tokens wide
+
+
+@pytest.mark.parametrize("gpu,model", [("h100", "smollm2-135m-instruct"), ("a100", "qwen3-0.6b"),
+                                       ("h200", "gemma-2-2b")])
+def test_other_families_compile_and_fit(tmp_path, gpu, model):
+    status, figures, err = compile_for_gpu(tmp_path, gpu, model, "--programs", "largest")
+    assert status == 0, err[-3000:]
+    assert figures["weight_bytes"] == 2 * parameter_count(model)
+    check_sized_as_vllm(figures, gpu, model)
+
+
+@pytest.mark.parametrize("kv_cache_dtype,page_bytes", [("int8", 1), ("fp8_e4m3", 1)])
+def test_quantized_kv_compiles_for_h100(tmp_path, kv_cache_dtype, page_bytes):
+    status, figures, err = compile_for_gpu(tmp_path, "h100", "qwen3-0.6b", "--programs", "largest",
+                                           "--kv-cache-dtype", kv_cache_dtype)
+    assert status == 0, err[-3000:]
+    check_sized_as_vllm(figures, "h100", "qwen3-0.6b", page_bytes=page_bytes, scale_bytes=4)  # f32 scale a token-head
+
+
+def test_fp8_kv_is_refused_by_name_for_a100(tmp_path):
+    status, figures, err = compile_for_gpu(tmp_path, "a100", "qwen3-0.6b", "--kv-cache-dtype", "fp8_e4m3")
+    assert status != 0 and figures is None
+    assert "kv_cache_dtype 'fp8_e4m3' cannot be read by attention backend 'pallas' on sm_80" in err
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_tensor_parallel_compiles_over_compile_only_devices(tmp_path, tp):
+    status, figures, err = compile_for_gpu(tmp_path, "h100", "qwen3-0.6b", "--programs", "largest",
+                                           "--tensor-parallel-size", str(tp))
+    assert status == 0, err[-3000:]
+    check_sized_as_vllm(figures, "h100", "qwen3-0.6b", tp=tp)
+    assert figures["weight_bytes"] * tp >= 2 * parameter_count("qwen3-0.6b")  # norms are on every device
+    # 16 query heads, 8 KV heads, MLP columns and the vocabulary (tied) split tp ways
+    assert figures["kv_bytes"] == figures["config"]["num_blocks"] * figures["config"]["bytes_per_block"] // tp
+
+
+def test_a_batch_that_cannot_fit_fails_naming_the_program_and_bytes(tmp_path):
+    status, figures, err = compile_for_gpu(tmp_path, "h100", "llama-3.1-8b", "--programs", "largest",
+                                           "--max-num-batched-tokens", str(1 << 20))
+    assert status == 1 and figures is None
+    assert "does not fit: prefill T=1048576 B=256 W=8192 needs " in err
+    temp = int(err.split("W=8192 needs ")[1].split()[0])
+    assert temp > 0.9 * int(gpu_target.gpu_spec("h100").memory_bytes * 0.75) - 2 * parameter_count("llama-3.1-8b")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gpu", gpu_target.GPUS)
+def test_every_program_of_llama_3_1_8b(tmp_path, gpu):
+    status, figures, err = compile_for_gpu(tmp_path, gpu, "llama-3.1-8b")
+    assert status == 0, err[-3000:]
+    check_sized_as_vllm(figures, gpu, "llama-3.1-8b")
+    assert len(figures["programs"]) == 10 + 9 + 5 + 5  # token buckets, row buckets, variants, pool ops
+
+
+@pytest.mark.slow
+def test_llama_3_1_8b_over_8_gpus(tmp_path):
+    status, figures, err = compile_for_gpu(tmp_path, "h100", "llama-3.1-8b", "--programs", "largest",
+                                           "--tensor-parallel-size", "8")
+    assert status == 0, err[-3000:]
+    check_sized_as_vllm(figures, "h100", "llama-3.1-8b", tp=8)
