@@ -1,0 +1,99 @@
+"""The Mosaic GPU decode kernel in the Mosaic GPU interpreter (CPU) against a dense float64
+attention and the jnp reference, and compiled on a Hopper GPU (marked `gpu`). jax before 0.12 has
+no usable Pallas Mosaic GPU: there every test skips, naming the jax version."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import mosaic, paged_attention_reference
+from tests.pallas_kernels.paged_batches import (BF16, F16, F32, TOL, dense_attention, make_batch,
+                                               poison_unseen, rel_err)
+
+pytestmark = pytest.mark.skipif(not mosaic.AVAILABLE, reason=str(mosaic.UNAVAILABLE))
+
+NAMES = ("q", "k_pages", "v_pages", "block_tables", "seq_lens")
+
+CASES = [  # group, head_dim, block_size, dtype
+    (1, 64, 8, BF16),
+    (4, 128, 16, BF16),
+    (8, 64, 32, F16),
+    (8, 128, 128, BF16),
+]
+
+
+class DecodeCases:
+    INTERPRET = False
+
+    def run(self, batch, **opts):
+        return mosaic.paged_attention_mosaic(*(batch[n] for n in NAMES),
+                                             interpret=self.INTERPRET, **opts)
+
+    def check(self, batch, **opts):
+        out = self.run(batch, **opts)
+        tol = TOL[batch["q"].dtype.type]
+        assert out.shape == batch["q"].shape and out.dtype == batch["q"].dtype
+        assert rel_err(out, dense_attention(batch, **opts)) <= tol
+        return out
+
+    @pytest.mark.parametrize("group,head_dim,block_size,dtype", CASES)
+    def test_matches_dense_float64(self, group, head_dim, block_size, dtype):
+        """Lengths on and around 64-key steps and block edges, several steps, a padding row;
+        every page slot no row may see holds NaN."""
+        lens = [1, block_size - 1, 64, 65, 2 * block_size + 70, 0]
+        batch = poison_unseen(make_batch(0, lens, [1] * len(lens), group=group, head_dim=head_dim,
+                                         block_size=block_size, dtype=dtype))
+        out = self.check(batch)
+        assert not np.asarray(out[-1]).any()  # the padding row: zeros
+
+    def test_soft_cap_and_sliding_window(self):
+        """Window starts on and off 64-key steps; the pages before each window are NaN."""
+        lens = [1, 10, 63, 64, 100, 150, 0]
+        batch = make_batch(1, lens, [1] * len(lens), group=4, block_size=16, dtype=BF16)
+        batch = poison_unseen({**batch, "q": batch["q"] * 4}, sliding_window=37)
+        self.check(batch, soft_cap=3.0, sliding_window=37, sm_scale=0.2)
+
+    def test_matches_jnp_reference(self):
+        """The same bf16 inputs through the engine's jnp reference (a prefix-shared block: two
+        sequences' tables start with the same blocks, as after a prefix-cache hit)."""
+        batch = make_batch(2, [40, 90, 17], [1, 1, 1], group=8, num_kv_heads=1, block_size=16,
+                           dtype=BF16)
+        tables = np.asarray(batch["block_tables"]).copy()
+        tables[1, :2] = tables[0, :2]
+        batch["block_tables"] = jnp.asarray(tables)
+        out = self.run(batch)
+        ref = paged_attention_reference(*(batch[n] for n in NAMES))
+        assert rel_err(out, ref) <= TOL[BF16]
+        assert rel_err(out, dense_attention(batch)) <= TOL[BF16]
+
+
+@pytest.mark.gpu
+class TestDecodeGpu(DecodeCases):
+    INTERPRET = False
+
+
+class TestDecodeInterpret(DecodeCases):
+    INTERPRET = True
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(q=F32), "bfloat16 or float16"),
+    (dict(head_dim=256), "head_dim must be one of"),
+    (dict(block_size=4), "block_size must be a power of two"),
+])
+def test_rejects_what_it_does_not_take(change, message):
+    dtype = change.get("q", BF16)
+    batch = make_batch(3, [5], [1], head_dim=change.get("head_dim", 64),
+                       block_size=change.get("block_size", 8), dtype=dtype)
+    with pytest.raises(ValueError, match=message):
+        mosaic.paged_attention_mosaic(*(batch[n] for n in NAMES), interpret=True)
+
+
+def test_rejects_quantized_pages():
+    batch = make_batch(3, [5], [1], dtype=BF16)
+    pages = jnp.zeros(batch["k_pages"].shape, jnp.int8)
+    scales = jnp.ones(pages.shape[:3], jnp.float32)
+    with pytest.raises(ValueError, match="int8 pages are not read"):
+        mosaic.paged_attention_mosaic(batch["q"], pages, pages, batch["block_tables"],
+                                      batch["seq_lens"], k_scales=scales, v_scales=scales,
+                                      interpret=True)
