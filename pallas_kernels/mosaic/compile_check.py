@@ -1,0 +1,124 @@
+"""Every Mosaic GPU decode variant the engine can launch, compiled for a Hopper GPU on a machine
+without one: a deviceless XLA compile (pallas_kernels.gpu_target) turns the kernel's
+`mosaic_gpu_v2` custom call into sm_90a code, and ptxas's report (MOSAIC_GPU_DUMP_PTXAS) gives its
+registers and spills. Each compile runs in a subprocess (an architecture mismatch can abort the
+process) and its stats are cached under cubin.CACHE_DIR, keyed by the kernel's source, the
+variant, the GPU and the jax version.
+
+  python -m pallas_kernels.mosaic.compile_check GPU DTYPE HEAD_DIM BLOCK_SIZE SOFT_CAP WINDOW
+prints one variant's stats as JSON (SOFT_CAP, WINDOW: 0 for none)."""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+from pallas_kernels import cubin
+
+GPUS = ("h100", "h200")
+SHARED_LIMIT = 227 * 1024  # sm_90's largest shared memory per block
+REGISTERS_PER_SM = 65536
+THREADS = 128  # one warpgroup per program
+# (dtype, head_dim, block_size, soft_cap, sliding_window): each dtype and head_dim the kernel takes,
+# plain and with both options (they add code to the inner loop); block sizes 8 and 16 issue 8 and 4
+# copies per step, 128 one 64-row slice.
+VARIANTS = [(dtype, head_dim, block_size, cap, window)
+            for dtype in ("bfloat16", "float16") for head_dim in (64, 128)
+            for block_size, cap, window in ((16, 0, 0), (8, 30.0, 4096), (128, 0, 0))]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelStats:
+    registers: int
+    spill_stores: int  # bytes
+    spill_loads: int  # bytes
+    stack: int  # bytes
+    shared: int  # bytes of dynamic shared memory (the kernel's scratch)
+
+    def blocks_per_sm(self) -> int:
+        """Resident programs per SM the registers and shared memory allow (registers are
+        allocated per warp in units of 256, i.e. 8 per thread)."""
+        regs = -(-self.registers // 8) * 8 * THREADS
+        return min(REGISTERS_PER_SM // regs, (228 * 1024) // (self.shared + 1024))
+
+
+def shared_bytes(head_dim: int, itemsize: int) -> int:
+    """The decode kernel's scratch: q/out [64, hd], K and V [2, 64, hd] each, p [64, 64]."""
+    from pallas_kernels.mosaic.decode import KEYS, ROWS
+    return itemsize * (ROWS * head_dim + 4 * KEYS * head_dim + ROWS * KEYS) + 3 * 8  # + barriers
+
+
+def _one(gpu, dtype, head_dim, block_size, soft_cap, window):
+    """In the subprocess: compile one variant deviceless and read ptxas's report."""
+    dump = tempfile.mkdtemp()
+    os.environ.update(JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_TO=dump, MOSAIC_GPU_DUMP_PTXAS="1")
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from pallas_kernels import gpu_target
+    from pallas_kernels.mosaic.decode import paged_attention_mosaic
+    device = gpu_target.compile_only_device(gpu)
+    sharding = NamedSharding(Mesh([device], ("x",)), P())
+    num_seqs, kv_heads, group, num_blocks, max_blocks = 64, 8, 8, 4096, 64
+
+    def arg(shape, dt):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+
+    pages = arg((kv_heads, num_blocks, block_size, head_dim), dtype)
+    args = (arg((num_seqs, kv_heads * group, head_dim), dtype), pages, pages,
+            arg((num_seqs, max_blocks), jnp.int32), arg((num_seqs,), jnp.int32))
+    opts = dict(soft_cap=soft_cap or None, sliding_window=int(window) or None)
+    with jax.default_device(device):
+        jax.jit(lambda *a: paged_attention_mosaic(*a, **opts)).trace(*args).lower().compile()
+    report = "".join(open(p).read() for p in glob.glob(os.path.join(dump, "*ptxas*")))
+    used = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill "
+                       r"loads", report)
+    if used is None or spills is None:
+        raise RuntimeError(f"no ptxas report in {dump}: {report!r}")
+    stack, stores, loads = map(int, spills.groups())
+    return KernelStats(int(used.group(1)), stores, loads, stack,
+                       shared_bytes(head_dim, jnp.dtype(dtype).itemsize))
+
+
+def _cache_file(gpu, variant):
+    import jax
+    source = open(os.path.join(os.path.dirname(__file__), "decode.py")).read()
+    key = json.dumps([source, gpu, list(variant), jax.__version__])
+    return os.path.join(cubin.CACHE_DIR, "mosaic-" + hashlib.sha256(key.encode()).hexdigest()[:40]
+                        + ".json")
+
+
+def compiled_stats(gpu: str, variant) -> KernelStats:
+    """-> KernelStats of `variant` (a VARIANTS row) compiled for `gpu`, from the cache or a
+    subprocess."""
+    path = _cache_file(gpu, variant)
+    if os.path.exists(path):
+        with open(path) as f:
+            return KernelStats(**json.load(f))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run = subprocess.run([sys.executable, "-m", "pallas_kernels.mosaic.compile_check", gpu,
+                          *map(str, variant)], capture_output=True, text=True, env=env, cwd=root)
+    if run.returncode:
+        raise RuntimeError(f"compiling {variant} for {gpu} failed:\n{run.stderr[-3000:]}")
+    stats = KernelStats(**json.loads(run.stdout.strip().splitlines()[-1]))
+    os.makedirs(cubin.CACHE_DIR, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=cubin.CACHE_DIR, delete=False) as f:
+        json.dump(dataclasses.asdict(stats), f)
+    os.replace(f.name, path)
+    return stats
+
+
+if __name__ == "__main__":
+    gpu, dtype, head_dim, block_size, soft_cap, window = sys.argv[1:7]
+    stats = _one(gpu, dtype, int(head_dim), int(block_size), float(soft_cap), float(window))
+    print(json.dumps(dataclasses.asdict(stats)))

@@ -1,0 +1,33 @@
+"""The Mosaic GPU decode kernel's compiled costs for H100 and H200, without a GPU: registers, spills,
+shared memory and the programs per SM they allow, per variant the engine can launch (a markdown
+table). Needs the gpu-compile extra (jax-cuda12-plugin, jax-cuda12-pjrt, nvidia-cuda-nvcc-cu12).
+  JAX_PLATFORMS=cpu python scripts/check_mosaic_kernels.py"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pallas_kernels.mosaic import compile_check  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", nargs="+", default=list(compile_check.GPUS))
+    args = parser.parse_args()
+    print("| gpu | dtype | head_dim | block_size | soft cap, window | registers | spill bytes "
+          "| shared KB | programs/SM (warps) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for gpu in args.gpus:
+        for variant in compile_check.VARIANTS:
+            dtype, head_dim, block_size, cap, window = variant
+            s = compile_check.compiled_stats(gpu, variant)
+            opts = f"{cap:g}, {window}" if cap else "-"
+            blocks = s.blocks_per_sm()
+            print(f"| {gpu} | {dtype} | {head_dim} | {block_size} | {opts} | {s.registers} "
+                  f"| {s.spill_stores} | {s.shared / 1024:.1f} | {blocks} ({4 * blocks}) |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
