@@ -1,4 +1,4 @@
-"""The Mosaic GPU decode kernel's compiled costs for H100 and H200, without a GPU: registers, spills,
+"""The Mosaic GPU attention kernels' compiled costs for H100 and H200, without a GPU: registers, spills,
 shared memory and the programs per SM they allow, per variant the engine can launch (a markdown
 table). Needs the gpu-compile extra (jax-cuda12-plugin, jax-cuda12-pjrt, nvidia-cuda-nvcc-cu12).
   JAX_PLATFORMS=cpu python scripts/check_mosaic_kernels.py"""
@@ -15,16 +15,17 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", nargs="+", default=list(compile_check.GPUS))
     args = parser.parse_args()
-    print("| gpu | dtype | head_dim | block_size | soft cap, window | registers | spill bytes "
-          "| shared KB | programs/SM (warps) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| gpu | kernel | dtype | head_dim | block_size | soft cap, window | group | registers "
+          "| spill bytes | shared KB | programs/SM (warps) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for gpu in args.gpus:
         for variant in compile_check.VARIANTS:
-            dtype, head_dim, block_size, cap, window = variant
+            kind, dtype, head_dim, block_size, cap, window, group = variant
             s = compile_check.compiled_stats(gpu, variant)
             opts = f"{cap:g}, {window}" if cap else "-"
             blocks = s.blocks_per_sm()
-            print(f"| {gpu} | {dtype} | {head_dim} | {block_size} | {opts} | {s.registers} "
+            print(f"| {gpu} | {kind} | {dtype} | {head_dim} | {block_size} | {opts} | {group} "
+                  f"| {s.registers} "
                   f"| {s.spill_stores} | {s.shared / 1024:.1f} | {blocks} ({4 * blocks}) |",
                   flush=True)
 

@@ -27,8 +27,8 @@ import pallas_kernels as pk
 from pallas_kernels import mosaic, quantization, targets
 from paged_jax.worker import sharding
 
-# "pallas": Pallas Triton ("pallas_triton" names it too); "pallas_mosaic": decode on Pallas Mosaic
-# GPU (Hopper), the ragged (prefill) kernel and the cache writes still on Pallas Triton.
+# "pallas": Pallas Triton ("pallas_triton" names it too); "pallas_mosaic": attention on Pallas
+# Mosaic GPU (Hopper), the cache writes and block copies still on Pallas Triton.
 BACKENDS = ("reference", "pallas", "pallas_mosaic", "pallas-interpret", "tpu")
 LAYOUTS = ("paged", "tpu")
 
@@ -215,7 +215,7 @@ def _attend_local(q, k, v, cache: KVCache, layer, md: AttentionMetadata, *, back
     decode, ragged = ((pk.paged_attention_reference, pk.ragged_paged_attention_reference)
                       if backend == "reference" else (pk.paged_attention, pk.ragged_paged_attention))
     if backend == "pallas_mosaic":
-        decode = mosaic.paged_attention_mosaic
+        decode, ragged = mosaic.paged_attention_mosaic, mosaic.ragged_paged_attention_mosaic
     if md.decode_only:
         out = decode(q, k_pages, v_pages, tables, md.seq_lens, **kwargs)
     else:

@@ -7,5 +7,7 @@ from pallas_kernels.mosaic.support import AVAILABLE, UNAVAILABLE, supports
 
 if AVAILABLE:
     from pallas_kernels.mosaic.decode import paged_attention_mosaic
+    from pallas_kernels.mosaic.ragged import ragged_paged_attention_mosaic
 
-__all__ = ["AVAILABLE", "UNAVAILABLE", "paged_attention_mosaic", "supports"]
+__all__ = ["AVAILABLE", "UNAVAILABLE", "supports"] + (
+    ["paged_attention_mosaic", "ragged_paged_attention_mosaic"] if AVAILABLE else [])

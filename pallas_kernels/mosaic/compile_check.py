@@ -1,12 +1,12 @@
-"""Every Mosaic GPU decode variant the engine can launch, compiled for a Hopper GPU on a machine
+"""Every Mosaic GPU attention variant the engine can launch, compiled for a Hopper GPU on a machine
 without one: a deviceless XLA compile (pallas_kernels.gpu_target) turns the kernel's
 `mosaic_gpu_v2` custom call into sm_90a code, and ptxas's report (MOSAIC_GPU_DUMP_PTXAS) gives its
 registers and spills. Each compile runs in a subprocess (an architecture mismatch can abort the
-process) and its stats are cached under cubin.CACHE_DIR, keyed by the kernel's source, the
+process) and its stats are cached under cubin.CACHE_DIR, keyed by the kernels' sources, the
 variant, the GPU and the jax version.
 
-  python -m pallas_kernels.mosaic.compile_check GPU DTYPE HEAD_DIM BLOCK_SIZE SOFT_CAP WINDOW
-prints one variant's stats as JSON (SOFT_CAP, WINDOW: 0 for none)."""
+  python -m pallas_kernels.mosaic.compile_check GPU KIND DTYPE HEAD_DIM BLOCK_SIZE SOFT_CAP WINDOW GROUP
+prints one variant's stats as JSON (KIND: decode or ragged; SOFT_CAP, WINDOW: 0 for none)."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,12 +25,20 @@ GPUS = ("h100", "h200")
 SHARED_LIMIT = 227 * 1024  # sm_90's largest shared memory per block
 REGISTERS_PER_SM = 65536
 THREADS = 128  # one warpgroup per program
-# (dtype, head_dim, block_size, soft_cap, sliding_window): each dtype and head_dim the kernel takes,
-# plain and with both options (they add code to the inner loop); block sizes 8 and 16 issue 8 and 4
-# copies per step, 128 one 64-row slice.
-VARIANTS = [(dtype, head_dim, block_size, cap, window)
-            for dtype in ("bfloat16", "float16") for head_dim in (64, 128)
-            for block_size, cap, window in ((16, 0, 0), (8, 30.0, 4096), (128, 0, 0))]
+# (kind, dtype, head_dim, block_size, soft_cap, sliding_window, group): each dtype and head_dim
+# the kernel takes, plain and with both options (they add code to the inner loop); block sizes 8
+# and 16 issue 8 and 4 copies per step, 128 one 64-row slice. Both wrappers launch the same kernel
+# (the group is a constant in its row arithmetic), so ragged needs fewer rows.
+VARIANTS = [
+    ("decode", "bfloat16", 64, 16, 0, 0, 8),
+    ("decode", "bfloat16", 128, 16, 0, 0, 8),
+    ("decode", "bfloat16", 128, 8, 30.0, 4096, 8),
+    ("decode", "bfloat16", 128, 128, 0, 0, 1),
+    ("decode", "float16", 64, 128, 30.0, 4096, 4),
+    ("decode", "float16", 128, 16, 0, 0, 8),
+    ("ragged", "bfloat16", 128, 16, 0, 0, 4),
+    ("ragged", "float16", 64, 8, 30.0, 4096, 8),
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,12 +57,12 @@ class KernelStats:
 
 
 def shared_bytes(head_dim: int, itemsize: int) -> int:
-    """The decode kernel's scratch: q/out [64, hd], K and V [2, 64, hd] each, p [64, 64]."""
-    from pallas_kernels.mosaic.decode import KEYS, ROWS
+    """The kernel's scratch: q/out [64, hd], K and V [2, 64, hd] each, p [64, 64]."""
+    from pallas_kernels.mosaic.kernel import KEYS, ROWS
     return itemsize * (ROWS * head_dim + 4 * KEYS * head_dim + ROWS * KEYS) + 3 * 8  # + barriers
 
 
-def _one(gpu, dtype, head_dim, block_size, soft_cap, window):
+def _one(gpu, kind, dtype, head_dim, block_size, soft_cap, window, group):
     """In the subprocess: compile one variant deviceless and read ptxas's report."""
     dump = tempfile.mkdtemp()
     os.environ.update(JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_TO=dump, MOSAIC_GPU_DUMP_PTXAS="1")
@@ -63,20 +71,24 @@ def _one(gpu, dtype, head_dim, block_size, soft_cap, window):
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from pallas_kernels import gpu_target
-    from pallas_kernels.mosaic.decode import paged_attention_mosaic
+    from pallas_kernels import mosaic
     device = gpu_target.compile_only_device(gpu)
     sharding = NamedSharding(Mesh([device], ("x",)), P())
-    num_seqs, kv_heads, group, num_blocks, max_blocks = 64, 8, 8, 4096, 64
+    num_seqs, kv_heads, num_blocks, max_blocks = 64, 8, 4096, 64
+    num_tokens = num_seqs if kind == "decode" else 2048
 
     def arg(shape, dt):
         return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
 
     pages = arg((kv_heads, num_blocks, block_size, head_dim), dtype)
-    args = (arg((num_seqs, kv_heads * group, head_dim), dtype), pages, pages,
-            arg((num_seqs, max_blocks), jnp.int32), arg((num_seqs,), jnp.int32))
+    args = [arg((num_tokens, kv_heads * group, head_dim), dtype), pages, pages,
+            arg((num_seqs, max_blocks), jnp.int32), arg((num_seqs,), jnp.int32)]
+    fn = mosaic.paged_attention_mosaic
+    if kind == "ragged":
+        fn, args = mosaic.ragged_paged_attention_mosaic, args + [arg((num_seqs + 1,), jnp.int32)]
     opts = dict(soft_cap=soft_cap or None, sliding_window=int(window) or None)
     with jax.default_device(device):
-        jax.jit(lambda *a: paged_attention_mosaic(*a, **opts)).trace(*args).lower().compile()
+        jax.jit(lambda *a: fn(*a, **opts)).trace(*args).lower().compile()
     report = "".join(open(p).read() for p in glob.glob(os.path.join(dump, "*ptxas*")))
     used = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill "
@@ -90,8 +102,10 @@ def _one(gpu, dtype, head_dim, block_size, soft_cap, window):
 
 def _cache_file(gpu, variant):
     import jax
-    source = open(os.path.join(os.path.dirname(__file__), "decode.py")).read()
-    key = json.dumps([source, gpu, list(variant), jax.__version__])
+    here = os.path.dirname(__file__)
+    sources = [open(os.path.join(here, name)).read() for name in ("kernel.py", "decode.py",
+                                                                  "ragged.py")]
+    key = json.dumps([sources, gpu, list(variant), jax.__version__])
     return os.path.join(cubin.CACHE_DIR, "mosaic-" + hashlib.sha256(key.encode()).hexdigest()[:40]
                         + ".json")
 
@@ -119,6 +133,7 @@ def compiled_stats(gpu: str, variant) -> KernelStats:
 
 
 if __name__ == "__main__":
-    gpu, dtype, head_dim, block_size, soft_cap, window = sys.argv[1:7]
-    stats = _one(gpu, dtype, int(head_dim), int(block_size), float(soft_cap), float(window))
+    gpu, kind, dtype, head_dim, block_size, soft_cap, window, group = sys.argv[1:9]
+    stats = _one(gpu, kind, dtype, int(head_dim), int(block_size), float(soft_cap),
+                 float(window), int(group))
     print(json.dumps(dataclasses.asdict(stats)))

@@ -45,3 +45,11 @@ def supports(dtype, head_dim: int, block_size: int, kv_dtype=None) -> str | None
     if block_size < MIN_BLOCK_SIZE or block_size & (block_size - 1):
         return f"block_size must be a power of two >= {MIN_BLOCK_SIZE}, got {block_size}"
     return None
+
+
+def check_supported(name: str, q, k_pages):
+    """ValueError naming `name` and the reason when the kernels do not take q [.., .., head_dim]
+    and k_pages [num_kv_heads, num_blocks, block_size, head_dim]."""
+    reason = supports(q.dtype, q.shape[-1], k_pages.shape[2], k_pages.dtype)
+    if reason:
+        raise ValueError(f"{name}: {reason}")

@@ -1,4 +1,4 @@
-"""The Mosaic GPU decode kernel in the Mosaic GPU interpreter (CPU) against a dense float64
+"""The Mosaic GPU decode and ragged kernels in the Mosaic GPU interpreter (CPU) against a dense float64
 attention and the jnp reference, and compiled on a Hopper GPU (marked `gpu`). jax before 0.12 has
 no usable Pallas Mosaic GPU: there every test skips, naming the jax version."""
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import mosaic, paged_attention_reference
+from pallas_kernels import mosaic, paged_attention_reference, ragged_paged_attention_reference
 from tests.pallas_kernels.paged_batches import (BF16, F16, F32, TOL, dense_attention, make_batch,
                                                poison_unseen, rel_err)
 
@@ -73,6 +73,62 @@ class TestDecodeGpu(DecodeCases):
 
 
 class TestDecodeInterpret(DecodeCases):
+    INTERPRET = True
+
+
+RAGGED_NAMES = NAMES + ("query_start_loc",)
+RAGGED_CASES = [  # group, head_dim, block_size, dtype
+    (1, 64, 8, BF16),  # 64 tokens a tile
+    (4, 128, 16, F16),
+    (8, 64, 128, BF16),  # 8 tokens a tile: a 24-token prompt takes three
+]
+
+
+class RaggedCases:
+    INTERPRET = False
+
+    def run(self, batch, **opts):
+        return mosaic.ragged_paged_attention_mosaic(*(batch[n] for n in RAGGED_NAMES),
+                                                    interpret=self.INTERPRET, **opts)
+
+    def check(self, batch, **opts):
+        out = self.run(batch, **opts)
+        assert out.shape == batch["q"].shape and out.dtype == batch["q"].dtype
+        assert rel_err(out, dense_attention(batch, **opts)) <= TOL[batch["q"].dtype.type]
+        return out
+
+    @pytest.mark.parametrize("group,head_dim,block_size,dtype", RAGGED_CASES)
+    def test_mixed_batch_matches_dense_float64(self, group, head_dim, block_size, dtype):
+        """Decode rows, a chunk of 7 after a 70-token prefix hit, whole prompts of 24 and 23
+        tokens, a padding sequence, a 10-token chunk, 3 padding tokens; unseen slots are NaN."""
+        seq_lens = [block_size + 1, 1, 77, 24, 23, 0, 2 * block_size + 10]
+        q_lens = [1, 1, 7, 24, 23, 0, 10]
+        batch = poison_unseen(make_batch(6, seq_lens, q_lens, group=group, head_dim=head_dim,
+                                         block_size=block_size, dtype=dtype, pad_tokens=3))
+        out = self.check(batch)
+        assert not np.asarray(out[-3:]).any()  # padding tokens: zeros
+
+    def test_soft_cap_window_and_shared_prefix(self):
+        """A 37-key window over prompts longer than it, a soft cap; sequences 0 and 1 share their
+        first two blocks (a prefix-cache hit), checked against the jnp reference too."""
+        seq_lens, q_lens = [90, 100, 40, 1], [20, 30, 40, 1]
+        batch = make_batch(7, seq_lens, q_lens, group=4, block_size=16, dtype=BF16)
+        tables = np.asarray(batch["block_tables"]).copy()
+        tables[1, :2] = tables[0, :2]
+        clean = {**batch, "block_tables": jnp.asarray(tables), "q": batch["q"] * 4}
+        opts = dict(soft_cap=3.0, sliding_window=37)
+        out = self.check(poison_unseen(clean, sliding_window=37), **opts)
+        # the reference reads whole chunks, so it gets the batch without NaN
+        ref = ragged_paged_attention_reference(*(clean[n] for n in RAGGED_NAMES), **opts)
+        assert rel_err(out, ref) <= TOL[BF16]
+
+
+@pytest.mark.gpu
+class TestRaggedGpu(RaggedCases):
+    INTERPRET = False
+
+
+class TestRaggedInterpret(RaggedCases):
     INTERPRET = True
 
 

@@ -1,0 +1,177 @@
+"""The Mosaic GPU paged-attention kernel (Hopper, sm_90a) both wrappers launch: decode (decode.py)
+and ragged prefill + decode (ragged.py).
+
+A program (one warpgroup, 128 threads) owns ROWS = 64 query rows of one KV head, the rows of one
+WGMMA tile: `num_tokens` consecutive tokens of one sequence times the KV head's G query heads
+(row r: token r // G, head r % G; decode has one token, so G rows and the rest padding). The
+wrappers gather those rows in XLA into q_rows [num_tiles, num_kv_heads, ROWS, head_dim] and scatter
+the output back. Grid (num_tiles, num_kv_heads). The program walks its keys in steps of KEYS = 64
+positions: for each step it reads the block-table entries itself and issues one TMA copy per page
+(or per 64-row slice of a larger page) of K and V into shared memory, double-buffered: step t + 1's
+copies fly while step t computes. q.k^T and p.v run on WGMMA with both operands in shared memory (p
+is written there: the Mosaic GPU interpreter cannot take a register operand), and an online softmax
+in base 2 (FlashAttention-2) runs in registers. Row r sees keys [lo_r, hi_r): causal, within the
+window. Steps cut by the union of the rows' spans zero the V rows outside it in shared memory
+first: those slots may hold anything, NaN included, and 0 * NaN would poison p.v. A row that sees
+no key (padding, seq_len 0) writes zeros."""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+ROWS = 64  # a warpgroup's WGMMA tile
+KEYS = 64  # key positions per step: the N of q.k^T and the K of p.v
+PV_COLS = 128  # p.v in column slices of at most this many, each a fresh WGMMA accumulator
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: see online_softmax.MASK_VALUE
+LOG2E = math.log2(math.e)
+
+
+def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_ref, v_ref, o_ref,
+            q_smem, k_smem, v_smem, p_smem, q_barrier, kv_barriers, *, group, sm_scale, soft_cap,
+            sliding_window):
+    # tile_seq_ref: i32[num_tiles], the block-table row; tile_pos_ref: i32[num_tiles], the position
+    # of the tile's first token in its sequence; tile_tokens_ref: i32[num_tiles], its live tokens
+    # (0..ROWS // group) (GMEM)
+    # tables_ref: i32[num_seqs, max_blocks_per_seq] (GMEM)
+    # q_ref, o_ref: [num_tiles, num_kv_heads, ROWS, head_dim] (GMEM)
+    # k_ref, v_ref: [num_kv_heads, num_blocks, block_size, head_dim] (GMEM)
+    # q_smem: [ROWS, head_dim], also the output's staging buffer; k_smem, v_smem: [2, KEYS,
+    # head_dim] (two slots); p_smem: [ROWS, KEYS]; kv_barriers: one per slot, an arrival per copy
+    tile, head = lax.axis_index("tile"), lax.axis_index("head")
+    _, num_blocks, block_size, head_dim = k_ref.shape
+    chunk = min(block_size, KEYS)
+    capacity = tables_ref.shape[1] * block_size  # the keys a block-table row can address
+    seq, pos0, tokens = tile_seq_ref[tile], tile_pos_ref[tile], tile_tokens_ref[tile]
+    # Keys [lo_min, hi_max): the union of the rows' spans (the first token's window start, the
+    # last token's causal end), clamped so a bad seq_len cannot read past its table row.
+    hi_max = jnp.clip(pos0 + tokens, 0, capacity)
+    lo_min = 0 if sliding_window is None else jnp.maximum(pos0 + 1 - sliding_window, 0)
+    first = lo_min // KEYS
+    end = jnp.maximum(lax.div(hi_max + KEYS - 1, KEYS), first)
+
+    def fetch(step, slot):  # TMA copies of step's K and V pages into `slot`
+        for c in range(KEYS // chunk):
+            pos = step * KEYS + c * chunk
+            # A step may reach past the table's last column (masked keys) and a corrupt table
+            # past the pages: both clamped, as XLA's gather clamps, so no read leaves its array.
+            entry = jnp.minimum(pos // block_size, tables_ref.shape[1] - 1)
+            block = jnp.clip(tables_ref[seq, entry], 0, num_blocks - 1)
+            src, dst = pl.ds(pos % block_size, chunk), pl.ds(c * chunk, chunk)
+            plgpu.copy_gmem_to_smem(k_ref.at[head, block, src], k_smem.at[slot, dst],
+                                    kv_barriers.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[head, block, src], v_smem.at[slot, dst],
+                                    kv_barriers.at[slot])
+
+    plgpu.copy_gmem_to_smem(q_ref.at[tile, head], q_smem, q_barrier)
+    pl.when(end > first)(lambda: fetch(first, 0))
+    plgpu.barrier_wait(q_barrier)
+
+    cols = min(head_dim, PV_COLS)
+    wgmma_layout = plgpu.Layout.WGMMA
+    m = plgpu.layout_cast(jnp.full((ROWS,), MASK_VALUE, jnp.float32), wgmma_layout.reduce(1))
+    l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), wgmma_layout.reduce(1))
+    accs = tuple(plgpu.layout_cast(jnp.zeros((ROWS, cols), jnp.float32), wgmma_layout)
+                 for _ in range(head_dim // cols))
+    # Row r's span [lo, hi): token r // group sits at position pos0 + r // group.
+    token = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 0, layout=wgmma_layout) // group
+    row_pos = pos0 + token
+    hi = jnp.where((token < tokens) & (row_pos >= 0), jnp.minimum(row_pos + 1, capacity), 0)
+    lo = 0 if sliding_window is None else jnp.maximum(hi - sliding_window, 0)
+
+    def qk(slot, acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+        return acc_ref[...]
+
+    def pv(slot, c, acc_ref):
+        plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot, :, pl.ds(c * cols, cols)])
+        return acc_ref[...]
+
+    def step(i, carry):
+        accs, m, l = carry  # f32[ROWS, cols] each, f32[ROWS], f32[ROWS]
+        t, slot = first + i, lax.rem(i, 2)
+        pl.when(t + 1 < end)(lambda: fetch(t + 1, 1 - slot))
+        plgpu.barrier_wait(kv_barriers.at[slot])
+
+        @pl.when((t * KEYS < lo_min) | ((t + 1) * KEYS > hi_max))
+        def _():
+            v = plgpu.load(v_smem.at[slot], layout=wgmma_layout)
+            pos = t * KEYS + plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=wgmma_layout)
+            v_smem.at[slot][...] = jnp.where((pos >= lo_min) & (pos < hi_max), v, 0.0)
+            plgpu.commit_smem()
+
+        s = pl.run_scoped(functools.partial(qk, slot), plgpu.ACC((ROWS, KEYS), jnp.float32))
+        if soft_cap is None:
+            s = s * (sm_scale * LOG2E)
+        else:
+            s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2E)
+        pos = t * KEYS + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=wgmma_layout)
+        visible = (pos >= lo) & (pos < hi)
+        s = jnp.where(visible, s, MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.where(visible, jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
+        l = l * alpha + p.sum(axis=1)
+        p_smem[...] = p.astype(p_smem.dtype)
+        plgpu.commit_smem()
+        accs = tuple(
+            acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            + pl.run_scoped(functools.partial(pv, slot, c), plgpu.ACC((ROWS, cols), jnp.float32))
+            for c, acc in enumerate(accs))
+        return accs, m_new, l
+
+    accs, _, l = lax.fori_loop(0, end - first, step, (accs, m, l))
+    for c, acc in enumerate(accs):  # rows that saw no key give zeros
+        l_b = lax.broadcast_in_dim(l, acc.shape, [0])
+        out = jnp.where(l_b > 0, acc / jnp.where(l_b > 0, l_b, 1.0), 0.0)
+        q_smem.at[:, pl.ds(c * cols, cols)][...] = out.astype(q_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[tile, head])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def attention(
+    q_rows,  # [num_tiles, num_kv_heads, ROWS, head_dim]; row r: token r // group, head r % group
+    k_pages,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    v_pages,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    block_tables,  # i32[num_seqs, max_blocks_per_seq]
+    tile_seq,  # i32[num_tiles]: each tile's block-table row
+    tile_pos,  # i32[num_tiles]: the position of its first token in the sequence
+    tile_tokens,  # i32[num_tiles]: its live tokens, 0..ROWS // group
+    *,
+    group: int,
+    sm_scale: float,
+    soft_cap: float | None,
+    sliding_window: int | None,
+    interpret: bool,
+):  # -> [num_tiles, num_kv_heads, ROWS, head_dim]
+    """Launch the kernel: grid (num_tiles, num_kv_heads)."""
+    num_tiles, num_kv_heads, _, head_dim = q_rows.shape
+    block_size = k_pages.shape[2]
+    # 128-byte swizzled tiles of 8 x 64 16-bit elements: the layout WGMMA reads without conflicts.
+    tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    copies = KEYS // min(block_size, KEYS)
+    dtype = q_rows.dtype
+    kernel = functools.partial(_kernel, group=group, sm_scale=sm_scale, soft_cap=soft_cap,
+                               sliding_window=sliding_window)
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct(q_rows.shape, dtype),
+        scratch_types=[
+            plgpu.SMEM((ROWS, head_dim), dtype, transforms=tiles),
+            plgpu.SMEM((2, KEYS, head_dim), dtype, transforms=tiles),
+            plgpu.SMEM((2, KEYS, head_dim), dtype, transforms=tiles),
+            plgpu.SMEM((ROWS, KEYS), dtype, transforms=tiles),
+            plgpu.Barrier(num_barriers=1),
+            plgpu.Barrier(num_arrivals=2 * copies, num_barriers=2),
+        ],
+        grid=(num_tiles, num_kv_heads), grid_names=("tile", "head"),
+        kernel_name="paged_attention_mosaic",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(tile_seq, tile_pos, tile_tokens, block_tables.astype(jnp.int32), q_rows, k_pages, v_pages)
