@@ -15,16 +15,17 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", nargs="+", default=list(compile_check.GPUS))
     args = parser.parse_args()
-    print("| gpu | kernel | dtype | head_dim | block_size | soft cap, window | group | registers "
-          "| spill bytes | shared KB | programs/SM (warps) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| gpu | kernel | dtype | pages | head_dim | block_size | soft cap, window | group "
+          "| registers | spill bytes | shared KB | programs/SM (warps) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for gpu in args.gpus:
         for variant in compile_check.VARIANTS:
-            kind, dtype, head_dim, block_size, cap, window, group = variant
+            kind, dtype, kv_dtype, head_dim, block_size, cap, window, group = variant
             s = compile_check.compiled_stats(gpu, variant)
             opts = f"{cap:g}, {window}" if cap else "-"
             blocks = s.blocks_per_sm()
-            print(f"| {gpu} | {kind} | {dtype} | {head_dim} | {block_size} | {opts} | {group} "
+            print(f"| {gpu} | {kind} | {dtype} | {kv_dtype} | {head_dim} | {block_size} | {opts} "
+                  f"| {group} "
                   f"| {s.registers} "
                   f"| {s.spill_stores} | {s.shared / 1024:.1f} | {blocks} ({4 * blocks}) |",
                   flush=True)

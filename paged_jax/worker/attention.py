@@ -118,7 +118,7 @@ def check_kv_cache_dtype(kv_cache_dtype: str, backend: str, model_dtype):
     naming it and the ones this backend reads."""
     dtype = quantization.storage_dtype(kv_cache_dtype, model_dtype)
     readable, where = list(quantization.KV_CACHE_DTYPES), jax.default_backend()
-    if backend in ("tpu", "pallas_mosaic"):  # per-tensor K/V scales; none yet
+    if backend == "tpu":  # its kernel scales K/V per tensor, not per (token, KV head)
         readable = ["auto"]
     elif backend == "pallas" and targets._arch_number(targets.gpu_arch()) < 89:
         readable, where = ["auto", "int8"], targets.gpu_arch()  # Triton casts fp8 on sm_89+ only

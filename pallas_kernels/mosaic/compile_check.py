@@ -5,8 +5,10 @@ registers and spills. Each compile runs in a subprocess (an architecture mismatc
 process) and its stats are cached under cubin.CACHE_DIR, keyed by the kernels' sources, the
 variant, the GPU and the jax version.
 
-  python -m pallas_kernels.mosaic.compile_check GPU KIND DTYPE HEAD_DIM BLOCK_SIZE SOFT_CAP WINDOW GROUP
-prints one variant's stats as JSON (KIND: decode or ragged; SOFT_CAP, WINDOW: 0 for none)."""
+  python -m pallas_kernels.mosaic.compile_check GPU KIND DTYPE KV_DTYPE HEAD_DIM BLOCK_SIZE \
+      SOFT_CAP WINDOW GROUP
+prints one variant's stats as JSON (KIND: decode or ragged; KV_DTYPE: the pages', DTYPE for
+unquantized; SOFT_CAP, WINDOW: 0 for none)."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,19 +27,23 @@ GPUS = ("h100", "h200")
 SHARED_LIMIT = 227 * 1024  # sm_90's largest shared memory per block
 REGISTERS_PER_SM = 65536
 THREADS = 128  # one warpgroup per program
-# (kind, dtype, head_dim, block_size, soft_cap, sliding_window, group): each dtype and head_dim
-# the kernel takes, plain and with both options (they add code to the inner loop); block sizes 8
-# and 16 issue 8 and 4 copies per step, 128 one 64-row slice. Both wrappers launch the same kernel
-# (the group is a constant in its row arithmetic), so ragged needs fewer rows.
+# (kind, dtype, kv_dtype, head_dim, block_size, soft_cap, sliding_window, group): each dtype,
+# page dtype and head_dim the kernel takes, plain and with both options (they add code to the
+# inner loop); block sizes 8 and 16 issue 8 and 4 copies per step, 128 one 64-row slice. Both
+# wrappers launch the same kernel (the group is a constant in its row arithmetic), so ragged needs
+# fewer rows.
 VARIANTS = [
-    ("decode", "bfloat16", 64, 16, 0, 0, 8),
-    ("decode", "bfloat16", 128, 16, 0, 0, 8),
-    ("decode", "bfloat16", 128, 8, 30.0, 4096, 8),
-    ("decode", "bfloat16", 128, 128, 0, 0, 1),
-    ("decode", "float16", 64, 128, 30.0, 4096, 4),
-    ("decode", "float16", 128, 16, 0, 0, 8),
-    ("ragged", "bfloat16", 128, 16, 0, 0, 4),
-    ("ragged", "float16", 64, 8, 30.0, 4096, 8),
+    ("decode", "bfloat16", "bfloat16", 64, 16, 0, 0, 8),
+    ("decode", "bfloat16", "bfloat16", 128, 16, 0, 0, 8),
+    ("decode", "bfloat16", "bfloat16", 128, 8, 30.0, 4096, 8),
+    ("decode", "bfloat16", "bfloat16", 128, 128, 0, 0, 1),
+    ("decode", "float16", "float16", 64, 128, 30.0, 4096, 4),
+    ("decode", "float16", "float16", 128, 16, 0, 0, 8),
+    ("decode", "bfloat16", "int8", 128, 16, 0, 0, 8),
+    ("decode", "bfloat16", "float8_e4m3fn", 64, 16, 30.0, 4096, 4),
+    ("ragged", "bfloat16", "bfloat16", 128, 16, 0, 0, 4),
+    ("ragged", "float16", "float16", 64, 8, 30.0, 4096, 8),
+    ("ragged", "bfloat16", "int8", 128, 16, 0, 0, 4),
 ]
 
 
@@ -56,13 +62,18 @@ class KernelStats:
         return min(REGISTERS_PER_SM // regs, (228 * 1024) // (self.shared + 1024))
 
 
-def shared_bytes(head_dim: int, itemsize: int) -> int:
-    """The kernel's scratch: q/out [64, hd], K and V [2, 64, hd] each, p [64, 64]."""
+def shared_bytes(head_dim: int, itemsize: int, quantized_itemsize: int | None = None) -> int:
+    """The kernel's scratch: q/out [64, hd], K and V [2, 64, hd] each, p [64, 64]; with quantized
+    pages K and V in their dtype, their cast copies [64, hd] each and f32 scales [2, 64] each."""
     from pallas_kernels.mosaic.kernel import KEYS, ROWS
-    return itemsize * (ROWS * head_dim + 4 * KEYS * head_dim + ROWS * KEYS) + 3 * 8  # + barriers
+    barriers = 3 * 8
+    if quantized_itemsize is None:
+        return itemsize * (ROWS * head_dim + 4 * KEYS * head_dim + ROWS * KEYS) + barriers
+    return (itemsize * (ROWS * head_dim + 2 * KEYS * head_dim + ROWS * KEYS)
+            + quantized_itemsize * 4 * KEYS * head_dim + 4 * 4 * KEYS + barriers)
 
 
-def _one(gpu, kind, dtype, head_dim, block_size, soft_cap, window, group):
+def _one(gpu, kind, dtype, kv_dtype, head_dim, block_size, soft_cap, window, group):
     """In the subprocess: compile one variant deviceless and read ptxas's report."""
     dump = tempfile.mkdtemp()
     os.environ.update(JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_TO=dump, MOSAIC_GPU_DUMP_PTXAS="1")
@@ -80,15 +91,24 @@ def _one(gpu, kind, dtype, head_dim, block_size, soft_cap, window, group):
     def arg(shape, dt):
         return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
 
-    pages = arg((kv_heads, num_blocks, block_size, head_dim), dtype)
+    pages = arg((kv_heads, num_blocks, block_size, head_dim), kv_dtype)
     args = [arg((num_tokens, kv_heads * group, head_dim), dtype), pages, pages,
             arg((num_seqs, max_blocks), jnp.int32), arg((num_seqs,), jnp.int32)]
     fn = mosaic.paged_attention_mosaic
     if kind == "ragged":
         fn, args = mosaic.ragged_paged_attention_mosaic, args + [arg((num_seqs + 1,), jnp.int32)]
     opts = dict(soft_cap=soft_cap or None, sliding_window=int(window) or None)
+    quantized = kv_dtype != dtype
+    if quantized:
+        args += [arg(pages.shape[:3], jnp.float32)] * 2
+
+    def call(*a):
+        if quantized:
+            return fn(*a[:-2], k_scales=a[-2], v_scales=a[-1], **opts)
+        return fn(*a, **opts)
+
     with jax.default_device(device):
-        jax.jit(lambda *a: fn(*a, **opts)).trace(*args).lower().compile()
+        jax.jit(call).trace(*args).lower().compile()
     report = "".join(open(p).read() for p in glob.glob(os.path.join(dump, "*ptxas*")))
     used = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill "
@@ -97,7 +117,8 @@ def _one(gpu, kind, dtype, head_dim, block_size, soft_cap, window, group):
         raise RuntimeError(f"no ptxas report in {dump}: {report!r}")
     stack, stores, loads = map(int, spills.groups())
     return KernelStats(int(used.group(1)), stores, loads, stack,
-                       shared_bytes(head_dim, jnp.dtype(dtype).itemsize))
+                       shared_bytes(head_dim, jnp.dtype(dtype).itemsize,
+                                    jnp.dtype(kv_dtype).itemsize if kv_dtype != dtype else None))
 
 
 def _cache_file(gpu, variant):
@@ -133,7 +154,7 @@ def compiled_stats(gpu: str, variant) -> KernelStats:
 
 
 if __name__ == "__main__":
-    gpu, kind, dtype, head_dim, block_size, soft_cap, window, group = sys.argv[1:9]
-    stats = _one(gpu, kind, dtype, int(head_dim), int(block_size), float(soft_cap),
+    gpu, kind, dtype, kv_dtype, head_dim, block_size, soft_cap, window, group = sys.argv[1:10]
+    stats = _one(gpu, kind, dtype, kv_dtype, int(head_dim), int(block_size), float(soft_cap),
                  float(window), int(group))
     print(json.dumps(dataclasses.asdict(stats)))

@@ -32,17 +32,29 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: see online_soft
 LOG2E = math.log2(math.e)
 
 
-def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_ref, v_ref, o_ref,
-            q_smem, k_smem, v_smem, p_smem, q_barrier, kv_barriers, *, group, sm_scale, soft_cap,
-            sliding_window):
+def _cast(x, dtype):
+    """Hopper converts fp8 to f16 only: fp8 -> bf16 goes through f32."""
+    if x.dtype == jnp.float8_e4m3fn and dtype != jnp.float16:
+        x = x.astype(jnp.float32)
+    return x.astype(dtype)
+
+
+def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
+            q_smem, k_smem, v_smem, p_smem, q_barrier, kv_barriers, group, sm_scale, soft_cap,
+            sliding_window, quantized=None):
     # tile_seq_ref: i32[num_tiles], the block-table row; tile_pos_ref: i32[num_tiles], the position
     # of the tile's first token in its sequence; tile_tokens_ref: i32[num_tiles], its live tokens
     # (0..ROWS // group) (GMEM)
     # tables_ref: i32[num_seqs, max_blocks_per_seq] (GMEM)
     # q_ref, o_ref: [num_tiles, num_kv_heads, ROWS, head_dim] (GMEM)
     # k_ref, v_ref: [num_kv_heads, num_blocks, block_size, head_dim] (GMEM)
+    # refs: (k_scale_ref, v_scale_ref f32[num_kv_heads, num_blocks, block_size] with int8/fp8
+    # pages,) o_ref
     # q_smem: [ROWS, head_dim], also the output's staging buffer; k_smem, v_smem: [2, KEYS,
-    # head_dim] (two slots); p_smem: [ROWS, KEYS]; kv_barriers: one per slot, an arrival per copy
+    # head_dim] (two slots, the pages' dtype); p_smem: [ROWS, KEYS]; kv_barriers: one per slot, an
+    # arrival per copy. quantized: dict(k16=, v16=) [KEYS, head_dim] in q's dtype (the cast
+    # pages WGMMA reads), ks=, vs= f32[2, KEYS] (the step's scales)
+    o_ref = refs[-1]
     tile, head = lax.axis_index("tile"), lax.axis_index("head")
     _, num_blocks, block_size, head_dim = k_ref.shape
     chunk = min(block_size, KEYS)
@@ -67,6 +79,10 @@ def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_re
                                     kv_barriers.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[head, block, src], v_smem.at[slot, dst],
                                     kv_barriers.at[slot])
+            if quantized:
+                for scale_ref, scale_smem in zip(refs[:2], (quantized["ks"], quantized["vs"])):
+                    plgpu.copy_gmem_to_smem(scale_ref.at[head, block, src],
+                                            scale_smem.at[slot, dst], kv_barriers.at[slot])
 
     plgpu.copy_gmem_to_smem(q_ref.at[tile, head], q_smem, q_barrier)
     pl.when(end > first)(lambda: fetch(first, 0))
@@ -84,13 +100,17 @@ def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_re
     hi = jnp.where((token < tokens) & (row_pos >= 0), jnp.minimum(row_pos + 1, capacity), 0)
     lo = 0 if sliding_window is None else jnp.maximum(hi - sliding_window, 0)
 
-    def qk(slot, acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+    def qk(keys, acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, keys.T)
         return acc_ref[...]
 
-    def pv(slot, c, acc_ref):
-        plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot, :, pl.ds(c * cols, cols)])
+    def pv(values, c, acc_ref):
+        plgpu.wgmma(acc_ref, p_smem, values.at[:, pl.ds(c * cols, cols)])
         return acc_ref[...]
+
+    def key_positions(t, layout, dim):  # i32 iota of the step's key positions along `dim`
+        return t * KEYS + plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS) if dim == 1 else
+                                                 (KEYS, head_dim), dim, layout=layout)
 
     def step(i, carry):
         accs, m, l = carry  # f32[ROWS, cols] each, f32[ROWS], f32[ROWS]
@@ -98,30 +118,46 @@ def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_re
         pl.when(t + 1 < end)(lambda: fetch(t + 1, 1 - slot))
         plgpu.barrier_wait(kv_barriers.at[slot])
 
-        @pl.when((t * KEYS < lo_min) | ((t + 1) * KEYS > hi_max))
-        def _():
-            v = plgpu.load(v_smem.at[slot], layout=wgmma_layout)
-            pos = t * KEYS + plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=wgmma_layout)
-            v_smem.at[slot][...] = jnp.where((pos >= lo_min) & (pos < hi_max), v, 0.0)
+        keys, values = k_smem.at[slot], v_smem.at[slot]
+        if quantized:  # cast to q's dtype into k16/v16, zeroing V outside the span on the way
+            keys, values = quantized["k16"], quantized["v16"]
+            keys[...] = _cast(plgpu.load(k_smem.at[slot], layout=wgmma_layout), keys.dtype)
+            v = _cast(plgpu.load(v_smem.at[slot], layout=wgmma_layout), values.dtype)
+            pos = key_positions(t, wgmma_layout, 0)
+            values[...] = jnp.where((pos >= lo_min) & (pos < hi_max), v, 0.0)
             plgpu.commit_smem()
+        else:
+            @pl.when((t * KEYS < lo_min) | ((t + 1) * KEYS > hi_max))
+            def _():
+                v = plgpu.load(v_smem.at[slot], layout=wgmma_layout)
+                pos = key_positions(t, wgmma_layout, 0)
+                v_smem.at[slot][...] = jnp.where((pos >= lo_min) & (pos < hi_max), v, 0.0)
+                plgpu.commit_smem()
 
-        s = pl.run_scoped(functools.partial(qk, slot), plgpu.ACC((ROWS, KEYS), jnp.float32))
+        s = pl.run_scoped(functools.partial(qk, keys), plgpu.ACC((ROWS, KEYS), jnp.float32))
+        pos = key_positions(t, wgmma_layout, 1)
+        if quantized:  # the logits times the keys' scales; scales outside the span may be NaN
+            span = (pos >= lo_min) & (pos < hi_max)
+            ks = plgpu.load(quantized["ks"].at[slot], layout=wgmma_layout.reduce(0))
+            s = s * jnp.where(span, lax.broadcast_in_dim(ks, s.shape, [1]), 0.0)
         if soft_cap is None:
             s = s * (sm_scale * LOG2E)
         else:
             s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2E)
-        pos = t * KEYS + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=wgmma_layout)
         visible = (pos >= lo) & (pos < hi)
         s = jnp.where(visible, s, MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.where(visible, jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
         l = l * alpha + p.sum(axis=1)
+        if quantized:  # the probabilities times the values' scales, before p.v
+            vs = plgpu.load(quantized["vs"].at[slot], layout=wgmma_layout.reduce(0))
+            p = p * jnp.where(span, lax.broadcast_in_dim(vs, p.shape, [1]), 0.0)
         p_smem[...] = p.astype(p_smem.dtype)
         plgpu.commit_smem()
         accs = tuple(
             acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            + pl.run_scoped(functools.partial(pv, slot, c), plgpu.ACC((ROWS, cols), jnp.float32))
+            + pl.run_scoped(functools.partial(pv, values, c), plgpu.ACC((ROWS, cols), jnp.float32))
             for c, acc in enumerate(accs))
         return accs, m_new, l
 
@@ -135,14 +171,24 @@ def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_re
     plgpu.wait_smem_to_gmem(0)
 
 
+def _smem_tiles(dtype, head_dim):
+    """Swizzled tiles of 8 rows x one swizzle span (128 bytes, or the whole row when shorter): the
+    layout WGMMA and the TMA read without bank conflicts."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(128, head_dim * itemsize)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
 def attention(
     q_rows,  # [num_tiles, num_kv_heads, ROWS, head_dim]; row r: token r // group, head r % group
-    k_pages,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    k_pages,  # [num_kv_heads, num_blocks, block_size, head_dim]: q's dtype, or int8/fp8
     v_pages,  # [num_kv_heads, num_blocks, block_size, head_dim]
     block_tables,  # i32[num_seqs, max_blocks_per_seq]
     tile_seq,  # i32[num_tiles]: each tile's block-table row
     tile_pos,  # i32[num_tiles]: the position of its first token in the sequence
     tile_tokens,  # i32[num_tiles]: its live tokens, 0..ROWS // group
+    k_scales=None,  # f32[num_kv_heads, num_blocks, block_size]: with int8/fp8 pages
+    v_scales=None,  # f32[num_kv_heads, num_blocks, block_size]
     *,
     group: int,
     sm_scale: float,
@@ -151,27 +197,34 @@ def attention(
     interpret: bool,
 ):  # -> [num_tiles, num_kv_heads, ROWS, head_dim]
     """Launch the kernel: grid (num_tiles, num_kv_heads)."""
-    num_tiles, num_kv_heads, _, head_dim = q_rows.shape
+    _, _, _, head_dim = q_rows.shape
     block_size = k_pages.shape[2]
-    # 128-byte swizzled tiles of 8 x 64 16-bit elements: the layout WGMMA reads without conflicts.
-    tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    dtype, kv_dtype = q_rows.dtype, k_pages.dtype
     copies = KEYS // min(block_size, KEYS)
-    dtype = q_rows.dtype
+    smem = dict(
+        q_smem=plgpu.SMEM((ROWS, head_dim), dtype, transforms=_smem_tiles(dtype, head_dim)),
+        k_smem=plgpu.SMEM((2, KEYS, head_dim), kv_dtype, transforms=_smem_tiles(kv_dtype, head_dim)),
+        v_smem=plgpu.SMEM((2, KEYS, head_dim), kv_dtype, transforms=_smem_tiles(kv_dtype, head_dim)),
+        p_smem=plgpu.SMEM((ROWS, KEYS), dtype, transforms=_smem_tiles(dtype, KEYS)),
+        q_barrier=plgpu.Barrier(num_barriers=1),
+        kv_barriers=plgpu.Barrier(num_arrivals=(4 if k_scales is not None else 2) * copies,
+                                  num_barriers=2))
+    inputs = [tile_seq, tile_pos, tile_tokens, block_tables.astype(jnp.int32), q_rows, k_pages,
+              v_pages]
+    quantized = k_scales is not None
+    if quantized:
+        inputs += [k_scales, v_scales]
+        cast = plgpu.SMEM((KEYS, head_dim), dtype, transforms=_smem_tiles(dtype, head_dim))
+        smem["quantized"] = dict(k16=cast, v16=cast, ks=plgpu.SMEM((2, KEYS), jnp.float32),
+                                 vs=plgpu.SMEM((2, KEYS), jnp.float32))
     kernel = functools.partial(_kernel, group=group, sm_scale=sm_scale, soft_cap=soft_cap,
                                sliding_window=sliding_window)
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(q_rows.shape, dtype),
-        scratch_types=[
-            plgpu.SMEM((ROWS, head_dim), dtype, transforms=tiles),
-            plgpu.SMEM((2, KEYS, head_dim), dtype, transforms=tiles),
-            plgpu.SMEM((2, KEYS, head_dim), dtype, transforms=tiles),
-            plgpu.SMEM((ROWS, KEYS), dtype, transforms=tiles),
-            plgpu.Barrier(num_barriers=1),
-            plgpu.Barrier(num_arrivals=2 * copies, num_barriers=2),
-        ],
-        grid=(num_tiles, num_kv_heads), grid_names=("tile", "head"),
+        scratch_types=smem,
+        grid=tile_seq.shape + (k_pages.shape[0],), grid_names=("tile", "head"),
         kernel_name="paged_attention_mosaic",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(tile_seq, tile_pos, tile_tokens, block_tables.astype(jnp.int32), q_rows, k_pages, v_pages)
+    )(*inputs)

@@ -34,7 +34,8 @@ def _tiles(query_start_loc, seq_lens, num_tokens, block_q, num_tiles):
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window",
                                              "interpret"))
 def _ragged_paged_attention_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
-                                   *, sm_scale, soft_cap, sliding_window, interpret):
+                                   k_scales, v_scales, *, sm_scale, soft_cap, sliding_window,
+                                   interpret):
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[0]
     group = num_heads // num_kv_heads
@@ -46,7 +47,8 @@ def _ragged_paged_attention_mosaic(q, k_pages, v_pages, block_tables, seq_lens, 
     token = jnp.clip(start[:, None] + rows // group, 0, num_tokens - 1)  # i32[num_tiles, ROWS]
     head = jnp.arange(num_kv_heads)[:, None] * group + rows % group  # i32[num_kv_heads, ROWS]
     q_rows = q[token[:, None, :], head[None, :, :]]  # [num_tiles, num_kv_heads, ROWS, head_dim]
-    out = kernel.attention(q_rows, k_pages, v_pages, block_tables, seq, pos, tokens, group=group,
+    out = kernel.attention(q_rows, k_pages, v_pages, block_tables, seq, pos, tokens, k_scales,
+                           v_scales, group=group,
                            sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
                            interpret=interpret)
 
@@ -65,7 +67,7 @@ def _ragged_paged_attention_mosaic(q, k_pages, v_pages, block_tables, seq_lens, 
 
 def ragged_paged_attention_mosaic(
     q,  # [num_tokens, num_heads, head_dim]; bf16 or f16
-    k_pages,  # [num_kv_heads, num_blocks, block_size, head_dim], q's dtype
+    k_pages,  # [num_kv_heads, num_blocks, block_size, head_dim]: q's dtype, or int8/fp8
     v_pages,  # [num_kv_heads, num_blocks, block_size, head_dim]
     block_tables,  # i32[num_seqs, max_blocks_per_seq]
     seq_lens,  # i32[num_seqs]; 0 marks a padding sequence
@@ -75,7 +77,7 @@ def ragged_paged_attention_mosaic(
     soft_cap=None,
     sliding_window=None,
     interpret=False,  # True: the Mosaic GPU interpreter, on the CPU
-    k_scales=None,  # f32[num_kv_heads, num_blocks, block_size]: int8/fp8 pages (refused: not yet)
+    k_scales=None,  # f32[num_kv_heads, num_blocks, block_size]: with int8/fp8 pages
     v_scales=None,  # f32[num_kv_heads, num_blocks, block_size]
 ):
     """ragged_paged_attention's contract on Mosaic GPU: sequence s's tokens are the last
@@ -95,7 +97,7 @@ def ragged_paged_attention_mosaic(
     if q.shape[0] == 0 or num_seqs == 0:  # nothing to attend: every token is padding
         return jnp.zeros_like(q)
     return _ragged_paged_attention_mosaic(
-        q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
+        q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, k_scales, v_scales,
         sm_scale=float(head_dim**-0.5 if sm_scale is None else sm_scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         sliding_window=None if sliding_window is None else int(sliding_window),

@@ -38,8 +38,8 @@ def supports(dtype, head_dim: int, block_size: int, kv_dtype=None) -> str | None
     kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
     if jnp.dtype(dtype) not in DTYPES:
         return f"queries must be bfloat16 or float16 (WGMMA's 16-bit inputs), got {jnp.dtype(dtype)}"
-    if quantization.is_quantized(kv_dtype):
-        return f"{kv_dtype} pages are not read by the Mosaic GPU kernels yet"
+    if kv_dtype not in DTYPES + tuple(quantization.QMAX):
+        return f"pages must be 16-bit, int8 or float8_e4m3fn, got {kv_dtype}"
     if head_dim not in HEAD_DIMS:
         return f"head_dim must be one of {HEAD_DIMS}, got {head_dim}"
     if block_size < MIN_BLOCK_SIZE or block_size & (block_size - 1):

@@ -27,7 +27,8 @@ def gpu(monkeypatch):
     (dict(LLAMA, dtype=jnp.float32), "pallas"),  # WGMMA takes 16-bit inputs
     (dict(LLAMA, head_dim=256), "pallas"),  # spills: see pallas_kernels/mosaic/support.py
     (dict(LLAMA, block_size=4), "pallas"),  # a page is whole 8-row tiles
-    (dict(LLAMA, kv_cache_dtype="int8"), "pallas"),  # no quantized pages yet
+    (dict(LLAMA, kv_cache_dtype="int8"), MOSAIC),
+    (dict(LLAMA, kv_cache_dtype="fp8_e4m3"), MOSAIC),
     ({}, "pallas"),  # a caller that does not say what the model is
 ])
 def test_auto_on_hopper(gpu, model, expected):
@@ -44,9 +45,7 @@ def test_forced_backends():
     assert resolve_backend("auto", **LLAMA) == {"cpu": "reference"}[jax.default_backend()]
     if mosaic.AVAILABLE:
         assert resolve_backend("pallas_mosaic") == "pallas_mosaic"
-        with pytest.raises(ValueError, match="'int8' cannot be read by attention backend "
-                                             "'pallas_mosaic'"):
-            check_kv_cache_dtype("int8", "pallas_mosaic", jnp.bfloat16)
+        assert check_kv_cache_dtype("fp8_e4m3", "pallas_mosaic", jnp.bfloat16) == jnp.float8_e4m3fn
     else:
         with pytest.raises(ValueError, match=f"jax {jax.__version__}"):
             resolve_backend("pallas_mosaic")

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import mosaic, paged_attention_reference, ragged_paged_attention_reference
+from pallas_kernels import (mosaic, paged_attention_reference, quantization,
+                            ragged_paged_attention_reference)
 from tests.pallas_kernels.paged_batches import (BF16, F16, F32, TOL, dense_attention, make_batch,
                                                poison_unseen, rel_err)
 
@@ -132,6 +133,55 @@ class TestRaggedInterpret(RaggedCases):
     INTERPRET = True
 
 
+def quantized(batch, storage, sliding_window=None):
+    """-> (inputs with `storage` pages and NaN scales (and fp8 NaN pages) in every slot no token
+    may see, their dequantized batch for the float64 reference)."""
+    unseen = np.isnan(np.asarray(poison_unseen(batch, sliding_window)["k_pages"], np.float32))
+    unseen = unseen[..., 0]  # bool[num_kv_heads, num_blocks, block_size]
+    out, dequantized = dict(batch), dict(batch)
+    for name in ("k", "v"):
+        pages, scales = quantization.quantize(batch[name + "_pages"], storage)
+        dequantized[name + "_pages"] = quantization.dequantize(pages, scales)
+        if storage == jnp.float8_e4m3fn:
+            pages = jnp.where(unseen[..., None], jnp.nan, pages.astype(F32)).astype(storage)
+        out[name + "_pages"], out[name + "_scales"] = pages, jnp.where(unseen, jnp.nan, scales)
+    return out, dequantized
+
+
+class QuantizedCases:
+    """int8/fp8 pages: cast to q's dtype in shared memory, scaled per (token, KV head)."""
+    INTERPRET = False
+
+    @pytest.mark.parametrize("storage", [jnp.int8, jnp.float8_e4m3fn])
+    def test_decode(self, storage):
+        lens = [1, 15, 64, 65, 150, 0]
+        batch = make_batch(8, lens, [1] * len(lens), group=8, head_dim=128, block_size=16,
+                           dtype=BF16)
+        inputs, dequantized = quantized(batch, storage, sliding_window=100)
+        out = mosaic.paged_attention_mosaic(
+            *(inputs[n] for n in NAMES), k_scales=inputs["k_scales"],
+            v_scales=inputs["v_scales"], sliding_window=100, interpret=self.INTERPRET)
+        assert rel_err(out, dense_attention(dequantized, sliding_window=100)) <= TOL[BF16]
+
+    def test_ragged_int8(self):
+        batch = make_batch(9, [77, 24, 1], [7, 24, 1], group=4, head_dim=64, block_size=8,
+                           dtype=F16)
+        inputs, dequantized = quantized(batch, jnp.int8)
+        out = mosaic.ragged_paged_attention_mosaic(
+            *(inputs[n] for n in RAGGED_NAMES), k_scales=inputs["k_scales"],
+            v_scales=inputs["v_scales"], interpret=self.INTERPRET)
+        assert rel_err(out, dense_attention(dequantized)) <= TOL[F16]
+
+
+@pytest.mark.gpu
+class TestQuantizedGpu(QuantizedCases):
+    INTERPRET = False
+
+
+class TestQuantizedInterpret(QuantizedCases):
+    INTERPRET = True
+
+
 @pytest.mark.parametrize("change,message", [
     (dict(q=F32), "bfloat16 or float16"),
     (dict(head_dim=256), "head_dim must be one of"),
@@ -143,13 +193,3 @@ def test_rejects_what_it_does_not_take(change, message):
                        block_size=change.get("block_size", 8), dtype=dtype)
     with pytest.raises(ValueError, match=message):
         mosaic.paged_attention_mosaic(*(batch[n] for n in NAMES), interpret=True)
-
-
-def test_rejects_quantized_pages():
-    batch = make_batch(3, [5], [1], dtype=BF16)
-    pages = jnp.zeros(batch["k_pages"].shape, jnp.int8)
-    scales = jnp.ones(pages.shape[:3], jnp.float32)
-    with pytest.raises(ValueError, match="int8 pages are not read"):
-        mosaic.paged_attention_mosaic(batch["q"], pages, pages, batch["block_tables"],
-                                      batch["seq_lens"], k_scales=scales, v_scales=scales,
-                                      interpret=True)
