@@ -50,8 +50,8 @@ def contiguous(pages, tables):  # -> [batch, context, num_kv_heads, head_dim]
 def mosaic_status(gpu, head_dim, block_size):
     """-> None when the Mosaic GPU kernel runs here at these sizes (bf16; on CPU in its
     interpreter), else why not."""
-    if gpu and targets._arch_number(targets.gpu_arch()) < 90:
-        return f"needs sm_90+, this GPU is {targets.gpu_arch()}"
+    if gpu and targets.gpu_arch() != "sm_90":
+        return f"needs Hopper (sm_90), this GPU is {targets.gpu_arch()}"
     return mosaic.supports(jnp.bfloat16, head_dim, block_size)
 
 

@@ -13,23 +13,18 @@ from pallas_kernels.mosaic import compile_check  # noqa: E402
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpus", nargs="+", default=list(compile_check.GPUS))
-    args = parser.parse_args()
+    parser.parse_args()
     print("| gpu | kernel | dtype | pages | head_dim | block_size | soft cap, window | group "
           "| registers | spill bytes | shared KB | programs/SM (warps) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for gpu in args.gpus:
-        for variant in compile_check.VARIANTS:
-            kind, dtype, kv_dtype, head_dim, block_size, cap, window, group = variant
-            s = compile_check.compiled_stats(gpu, variant)
-            opts = f"{cap:g}, {window}" if cap else "-"
-            blocks = s.blocks_per_sm()
-            print(f"| {gpu} | {kind} | {dtype} | {kv_dtype} | {head_dim} | {block_size} | {opts} "
-                  f"| {group} "
-                  f"| {s.registers} "
-                  f"| {s.spill_stores} | {s.shared / 1024:.1f} | {blocks} ({4 * blocks}) |",
-                  flush=True)
-
+    stats = compile_check.compiled_all(compile_check.BUILDS)
+    for (gpu, variant), s in zip(compile_check.BUILDS, stats):
+        kind, dtype, kv_dtype, head_dim, block_size, cap, window, group = variant
+        opts = f"{cap:g}, {window}" if cap else "-"
+        blocks = s.blocks_per_sm()
+        print(f"| {gpu} | {kind} | {dtype} | {kv_dtype} | {head_dim} | {block_size} | {opts} "
+              f"| {group} | {s.registers} | {s.spill_stores} | {s.shared / 1024:.1f} "
+              f"| {blocks} ({blocks * compile_check.THREADS // 32}) |")
 
 if __name__ == "__main__":
     main()

@@ -225,7 +225,7 @@ def _attend_local(q, k, v, cache: KVCache, layer, md: AttentionMetadata, *, back
 
 def resolve_backend(backend: str = "auto", *, dtype=None, head_dim=None, block_size=None,
                     kv_cache_dtype="auto") -> str:
-    """`auto`: on a GPU, Pallas Mosaic GPU ("pallas_mosaic") on sm_90+ when this jax has it and
+    """`auto`: on a GPU, Pallas Mosaic GPU ("pallas_mosaic") on Hopper when this jax has it and
     the model's `dtype`, `head_dim`, `block_size` and `kv_cache_dtype` are ones it takes (the first
     three must be given), else Pallas Triton ("pallas"); jax's TPU kernel on TPU; jnp references elsewhere.
     "pallas_triton" is "pallas"."""
@@ -245,7 +245,8 @@ def resolve_backend(backend: str = "auto", *, dtype=None, head_dim=None, block_s
 
 
 def _mosaic_fits(dtype, head_dim, block_size, kv_cache_dtype) -> bool:
-    if None in (dtype, head_dim, block_size) or targets._arch_number(targets.gpu_arch()) < 90:
+    # Hopper only: Ampere lacks TMA barriers and WGMMA, Blackwell refuses WGMMA (tcgen05 instead)
+    if None in (dtype, head_dim, block_size) or targets.gpu_arch() != "sm_90":
         return False
     kv_dtype = quantization.storage_dtype(kv_cache_dtype, dtype)
     return mosaic.supports(dtype, head_dim, block_size, kv_dtype) is None

@@ -11,6 +11,7 @@ prints one variant's stats as JSON (KIND: decode or ragged; KV_DTYPE: the pages'
 unquantized; SOFT_CAP, WINDOW: 0 for none)."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import glob
 import hashlib
@@ -45,6 +46,11 @@ VARIANTS = [
     ("ragged", "float16", "float16", 64, 8, 30.0, 4096, 8),
     ("ragged", "bfloat16", "int8", 128, 16, 0, 0, 4),
 ]
+# H100 and H200 are both sm_90a (the same code; their target configs differ in memory and clocks),
+# so H200 compiles the decode benchmark's shape (bf16, head_dim 128, block_size 16) in its three
+# page dtypes, H100 every variant.
+BUILDS = ([("h100", v) for v in VARIANTS]
+          + [("h200", v) for v in VARIANTS if v[0] == "decode" and v[3:5] == (128, 16)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +72,11 @@ def shared_bytes(head_dim: int, itemsize: int, quantized_itemsize: int | None = 
     """The kernel's scratch: q/out [64, hd], K and V [2, 64, hd] each, p [64, 64]; with quantized
     pages K and V in their dtype, their cast copies [64, hd] each and f32 scales [2, 64] each."""
     from pallas_kernels.mosaic.kernel import KEYS, ROWS
-    barriers = 3 * 8
+    rows, barriers = ROWS * head_dim + ROWS * KEYS, 3 * 8
     if quantized_itemsize is None:
-        return itemsize * (ROWS * head_dim + 4 * KEYS * head_dim + ROWS * KEYS) + barriers
-    return (itemsize * (ROWS * head_dim + 2 * KEYS * head_dim + ROWS * KEYS)
-            + quantized_itemsize * 4 * KEYS * head_dim + 4 * 4 * KEYS + barriers)
+        return itemsize * (rows + 4 * KEYS * head_dim) + barriers
+    return (itemsize * (rows + 2 * KEYS * head_dim) + quantized_itemsize * 4 * KEYS * head_dim
+            + 4 * 4 * KEYS + barriers)
 
 
 def _one(gpu, kind, dtype, kv_dtype, head_dim, block_size, soft_cap, window, group):
@@ -118,7 +124,7 @@ def _one(gpu, kind, dtype, kv_dtype, head_dim, block_size, soft_cap, window, gro
     stack, stores, loads = map(int, spills.groups())
     return KernelStats(int(used.group(1)), stores, loads, stack,
                        shared_bytes(head_dim, jnp.dtype(dtype).itemsize,
-                                    jnp.dtype(kv_dtype).itemsize if kv_dtype != dtype else None))
+                                    jnp.dtype(kv_dtype).itemsize if quantized else None))
 
 
 def _cache_file(gpu, variant):
@@ -151,6 +157,12 @@ def compiled_stats(gpu: str, variant) -> KernelStats:
         json.dump(dataclasses.asdict(stats), f)
     os.replace(f.name, path)
     return stats
+
+
+def compiled_all(builds, workers=2) -> list[KernelStats]:
+    """-> KernelStats of each (gpu, variant) in `builds`, `workers` subprocesses at a time."""
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda build: compiled_stats(*build), builds))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Which attention backend the engine resolves: "auto" picks Pallas Mosaic GPU on sm_90+ for the
+"""Which attention backend the engine resolves: "auto" picks Pallas Mosaic GPU on Hopper for the
 models it takes when this jax has it, Pallas Triton for everything else on a GPU;
 "pallas_triton" and "pallas_mosaic" force one."""
 import jax
@@ -35,8 +35,10 @@ def test_auto_on_hopper(gpu, model, expected):
     assert resolve_backend("auto", **model) == expected
 
 
-def test_auto_before_hopper_is_triton(gpu):
-    gpu[0] = "sm_80"  # no TMA barriers, no WGMMA
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_100"])
+def test_auto_off_hopper_is_triton(gpu, arch):
+    """Ampere/Ada: no TMA barriers, no WGMMA; Blackwell: WGMMA refused on sm_100a."""
+    gpu[0] = arch
     assert resolve_backend("auto", **LLAMA) == "pallas"
 
 
