@@ -34,6 +34,8 @@ THREADS = 128  # one warpgroup per program
 # wrappers launch the same kernel (the group is a constant in its row arithmetic), so ragged needs
 # fewer rows.
 VARIANTS = [
+    ("decode", "bfloat16", "bfloat16", 256, 16, 0, 0, 8),
+    ("decode", "float16", "float16", 256, 8, 50.0, 4096, 2),  # Gemma-2's shape
     ("decode", "bfloat16", "bfloat16", 64, 16, 0, 0, 8),
     ("decode", "bfloat16", "bfloat16", 128, 16, 0, 0, 8),
     ("decode", "bfloat16", "bfloat16", 128, 8, 30.0, 4096, 8),
@@ -45,6 +47,7 @@ VARIANTS = [
     ("ragged", "bfloat16", "bfloat16", 128, 16, 0, 0, 4),
     ("ragged", "float16", "float16", 64, 8, 30.0, 4096, 8),
     ("ragged", "bfloat16", "int8", 128, 16, 0, 0, 4),
+    ("ragged", "bfloat16", "bfloat16", 256, 16, 50.0, 4096, 2),
 ]
 # H100 and H200 are both sm_90a (the same code; their target configs differ in memory and clocks),
 # so H200 compiles decode at the benchmark's head_dim and block size (128, 16) in each dtype, H100
@@ -69,14 +72,15 @@ class KernelStats:
 
 
 def shared_bytes(head_dim: int, itemsize: int, quantized_itemsize: int | None = None) -> int:
-    """The kernel's scratch: q/out [64, hd], K and V [2, 64, hd] each, p [64, 64]; with quantized
-    pages K and V in their dtype, their cast copies [64, hd] each and f32 scales [2, 64] each."""
-    from pallas_kernels.mosaic.kernel import KEYS, ROWS
-    rows, barriers = ROWS * head_dim + ROWS * KEYS, 3 * 8
+    """The kernel's scratch: q [64, hd], K [2, 64, hd], V [2, 64, cols] (cols: the program's
+    output columns), p [64, 64]; with quantized pages K and V in their dtype, their cast copies
+    [64, hd] and [64, cols] and f32 scales [2, 64] each."""
+    from pallas_kernels.mosaic.kernel import KEYS, PV_COLS, ROWS
+    cols = min(head_dim, PV_COLS)
+    rows, kv, barriers = ROWS * head_dim + ROWS * KEYS, 2 * KEYS * (head_dim + cols), 3 * 8
     if quantized_itemsize is None:
-        return itemsize * (rows + 4 * KEYS * head_dim) + barriers
-    return (itemsize * (rows + 2 * KEYS * head_dim) + quantized_itemsize * 4 * KEYS * head_dim
-            + 4 * 4 * KEYS + barriers)
+        return itemsize * (rows + kv) + barriers
+    return itemsize * (rows + kv // 2) + quantized_itemsize * kv + 4 * 4 * KEYS + barriers
 
 
 def _one(gpu, kind, dtype, kv_dtype, head_dim, block_size, soft_cap, window, group):

@@ -5,7 +5,8 @@ A program (one warpgroup, 128 threads) owns ROWS = 64 query rows of one KV head,
 WGMMA tile: `num_tokens` consecutive tokens of one sequence times the KV head's G query heads
 (row r: token r // G, head r % G; decode has one token, so G rows and the rest padding). The
 wrappers gather those rows in XLA into q_rows [num_tiles, num_kv_heads, ROWS, head_dim] and scatter
-the output back. Grid (num_tiles, num_kv_heads). The program walks its keys in steps of KEYS = 64
+the output back. Grid (num_tiles, num_kv_heads, halves): halves is 2 at head_dim 256 (PV_COLS),
+else 1. The program walks its keys in steps of KEYS = 64
 positions: for each step it reads the block-table entries itself and issues one TMA copy per page
 (or per 64-row slice of a larger page) of K and V into shared memory, double-buffered: step t + 1's
 copies fly while step t computes. q.k^T and p.v run on WGMMA with both operands in shared memory (p
@@ -27,7 +28,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 ROWS = 64  # a warpgroup's WGMMA tile
 KEYS = 64  # key positions per step: the N of q.k^T and the K of p.v
-PV_COLS = 128  # p.v in column slices of at most this many, each a fresh WGMMA accumulator
+# A program keeps at most 128 output columns: at head_dim 256 one [64, 256] f32 accumulator and
+# the step's p.v took all 255 registers and spilled 360 bytes (H100). There a third grid axis
+# splits the columns in two: each program computes the same q.k^T and softmax (reads K whole) and
+# the p.v of its half (reads that half of V), so K is read twice (the second time likely from L2).
+PV_COLS = 128
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: see online_softmax.MASK_VALUE
 LOG2E = math.log2(math.e)
 
@@ -50,13 +55,15 @@ def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_re
     # k_ref, v_ref: [num_kv_heads, num_blocks, block_size, head_dim] (GMEM)
     # refs: (k_scale_ref, v_scale_ref f32[num_kv_heads, num_blocks, block_size] with int8/fp8
     # pages,) o_ref
-    # q_smem: [ROWS, head_dim], also the output's staging buffer; k_smem, v_smem: [2, KEYS,
-    # head_dim] (two slots, the pages' dtype); p_smem: [ROWS, KEYS]; kv_barriers: one per slot, an
-    # arrival per copy. quantized: dict(k16=, v16=) [KEYS, head_dim] in q's dtype (the cast
-    # pages WGMMA reads), ks=, vs= f32[2, KEYS] (the step's scales)
+    # q_smem: [ROWS, head_dim]; k_smem: [2, KEYS, head_dim], v_smem: [2, KEYS, cols] (two slots,
+    # the pages' dtype; cols: this program's output columns); p_smem: [ROWS, KEYS]; kv_barriers:
+    # one per slot, an arrival per copy. quantized: dict(k16=[KEYS, head_dim], v16=[KEYS, cols]
+    # in q's dtype (the cast pages WGMMA reads), ks=, vs= f32[2, KEYS] (the step's scales))
     o_ref = refs[-1]
     tile, head = lax.axis_index("tile"), lax.axis_index("head")
     _, num_blocks, block_size, head_dim = k_ref.shape
+    cols = v_smem.shape[-1]
+    out_cols = pl.ds(lax.axis_index("half") * cols, cols)  # this program's output columns
     chunk = min(block_size, KEYS)
     capacity = tables_ref.shape[1] * block_size  # the keys a block-table row can address
     seq, pos0, tokens = tile_seq_ref[tile], tile_pos_ref[tile], tile_tokens_ref[tile]
@@ -77,7 +84,7 @@ def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_re
             src, dst = pl.ds(pos % block_size, chunk), pl.ds(c * chunk, chunk)
             plgpu.copy_gmem_to_smem(k_ref.at[head, block, src], k_smem.at[slot, dst],
                                     kv_barriers.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[head, block, src], v_smem.at[slot, dst],
+            plgpu.copy_gmem_to_smem(v_ref.at[head, block, src, out_cols], v_smem.at[slot, dst],
                                     kv_barriers.at[slot])
             if quantized:
                 for scale_ref, scale_smem in zip(refs[:2], (quantized["ks"], quantized["vs"])):
@@ -88,12 +95,10 @@ def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_re
     pl.when(end > first)(lambda: fetch(first, 0))
     plgpu.barrier_wait(q_barrier)
 
-    cols = min(head_dim, PV_COLS)
     wgmma_layout = plgpu.Layout.WGMMA
     m = plgpu.layout_cast(jnp.full((ROWS,), MASK_VALUE, jnp.float32), wgmma_layout.reduce(1))
     l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), wgmma_layout.reduce(1))
-    accs = tuple(plgpu.layout_cast(jnp.zeros((ROWS, cols), jnp.float32), wgmma_layout)
-                 for _ in range(head_dim // cols))
+    acc = plgpu.layout_cast(jnp.zeros((ROWS, cols), jnp.float32), wgmma_layout)
     # Row r's span [lo, hi): token r // group sits at position pos0 + r // group.
     token = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 0, layout=wgmma_layout) // group
     row_pos = pos0 + token
@@ -104,16 +109,16 @@ def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_re
         plgpu.wgmma(acc_ref, q_smem, keys.T)
         return acc_ref[...]
 
-    def pv(values, c, acc_ref):
-        plgpu.wgmma(acc_ref, p_smem, values.at[:, pl.ds(c * cols, cols)])
+    def pv(values, acc_ref):
+        plgpu.wgmma(acc_ref, p_smem, values)
         return acc_ref[...]
 
     def key_positions(t, layout, dim):  # i32 iota of the step's key positions along `dim`
         return t * KEYS + plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS) if dim == 1 else
-                                                 (KEYS, head_dim), dim, layout=layout)
+                                                 (KEYS, cols), dim, layout=layout)
 
     def step(i, carry):
-        accs, m, l = carry  # f32[ROWS, cols] each, f32[ROWS], f32[ROWS]
+        acc, m, l = carry  # f32[ROWS, cols], f32[ROWS], f32[ROWS]
         t, slot = first + i, lax.rem(i, 2)
         pl.when(t + 1 < end)(lambda: fetch(t + 1, 1 - slot))
         plgpu.barrier_wait(kv_barriers.at[slot])
@@ -155,19 +160,19 @@ def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_re
             p = p * jnp.where(span, lax.broadcast_in_dim(vs, p.shape, [1]), 0.0)
         p_smem[...] = p.astype(p_smem.dtype)
         plgpu.commit_smem()
-        accs = tuple(
-            acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            + pl.run_scoped(functools.partial(pv, values, c), plgpu.ACC((ROWS, cols), jnp.float32))
-            for c, acc in enumerate(accs))
-        return accs, m_new, l
+        acc = (acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+               + pl.run_scoped(functools.partial(pv, values), plgpu.ACC((ROWS, cols), jnp.float32)))
+        return acc, m_new, l
 
-    accs, _, l = lax.fori_loop(0, end - first, step, (accs, m, l))
-    for c, acc in enumerate(accs):  # rows that saw no key give zeros
-        l_b = lax.broadcast_in_dim(l, acc.shape, [0])
-        out = jnp.where(l_b > 0, acc / jnp.where(l_b > 0, l_b, 1.0), 0.0)
-        q_smem.at[:, pl.ds(c * cols, cols)][...] = out.astype(q_smem.dtype)
+    acc, _, l = lax.fori_loop(0, end - first, step, (acc, m, l))
+    l_b = lax.broadcast_in_dim(l, acc.shape, [0])  # rows that saw no key give zeros
+    out = jnp.where(l_b > 0, acc / jnp.where(l_b > 0, l_b, 1.0), 0.0)
+    # The output's staging buffer, free once the loop is done: q_smem when it is all the columns,
+    # else a V slot (a TMA copy reads contiguous shared memory: half of q_smem's columns is not).
+    stage = q_smem if cols == head_dim else v_smem.at[0]
+    stage[...] = out.astype(stage.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[tile, head])
+    plgpu.copy_smem_to_gmem(stage, o_ref.at[tile, head, :, out_cols])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -196,15 +201,16 @@ def attention(
     sliding_window: int | None,
     interpret: bool,
 ):  # -> [num_tiles, num_kv_heads, ROWS, head_dim]
-    """Launch the kernel: grid (num_tiles, num_kv_heads)."""
+    """Launch the kernel: grid (num_tiles, num_kv_heads, head_dim // cols)."""
     _, _, _, head_dim = q_rows.shape
     block_size = k_pages.shape[2]
     dtype, kv_dtype = q_rows.dtype, k_pages.dtype
     copies = KEYS // min(block_size, KEYS)
+    cols = min(head_dim, PV_COLS)
     smem = dict(
         q_smem=plgpu.SMEM((ROWS, head_dim), dtype, transforms=_smem_tiles(dtype, head_dim)),
         k_smem=plgpu.SMEM((2, KEYS, head_dim), kv_dtype, transforms=_smem_tiles(kv_dtype, head_dim)),
-        v_smem=plgpu.SMEM((2, KEYS, head_dim), kv_dtype, transforms=_smem_tiles(kv_dtype, head_dim)),
+        v_smem=plgpu.SMEM((2, KEYS, cols), kv_dtype, transforms=_smem_tiles(kv_dtype, cols)),
         p_smem=plgpu.SMEM((ROWS, KEYS), dtype, transforms=_smem_tiles(dtype, KEYS)),
         q_barrier=plgpu.Barrier(num_barriers=1),
         kv_barriers=plgpu.Barrier(num_arrivals=(4 if k_scales is not None else 2) * copies,
@@ -214,8 +220,9 @@ def attention(
     quantized = k_scales is not None
     if quantized:
         inputs += [k_scales, v_scales]
-        cast = plgpu.SMEM((KEYS, head_dim), dtype, transforms=_smem_tiles(dtype, head_dim))
-        smem["quantized"] = dict(k16=cast, v16=cast, ks=plgpu.SMEM((2, KEYS), jnp.float32),
+        smem["quantized"] = dict(
+            k16=plgpu.SMEM((KEYS, head_dim), dtype, transforms=_smem_tiles(dtype, head_dim)),
+            v16=plgpu.SMEM((KEYS, cols), dtype, transforms=_smem_tiles(dtype, cols)), ks=plgpu.SMEM((2, KEYS), jnp.float32),
                                  vs=plgpu.SMEM((2, KEYS), jnp.float32))
     kernel = functools.partial(_kernel, group=group, sm_scale=sm_scale, soft_cap=soft_cap,
                                sliding_window=sliding_window)
@@ -223,7 +230,8 @@ def attention(
         kernel,
         out_type=jax.ShapeDtypeStruct(q_rows.shape, dtype),
         scratch_types=smem,
-        grid=tile_seq.shape + (k_pages.shape[0],), grid_names=("tile", "head"),
+        grid=(tile_seq.shape[0], k_pages.shape[0], head_dim // cols),
+        grid_names=("tile", "head", "half"),
         kernel_name="paged_attention_mosaic",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,

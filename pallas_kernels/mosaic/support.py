@@ -24,9 +24,7 @@ def _unavailable() -> str | None:
 UNAVAILABLE = _unavailable()
 AVAILABLE = UNAVAILABLE is None
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # WGMMA's 16-bit inputs
-# head_dim 256: a [64, 256] f32 accumulator and the step's p.v take every register (255 used, 360
-# bytes spilled on H100); it needs the p.v split over two warpgroups, not done yet.
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)  # 256: two programs per (tile, KV head), see kernel.PV_COLS
 MIN_BLOCK_SIZE = 8  # a TMA copy of a page is whole 8-row tiles of its swizzled shared-memory layout
 
 
@@ -42,6 +40,9 @@ def supports(dtype, head_dim: int, block_size: int, kv_dtype=None) -> str | None
         return f"pages must be 16-bit, int8 or float8_e4m3fn, got {kv_dtype}"
     if head_dim not in HEAD_DIMS:
         return f"head_dim must be one of {HEAD_DIMS}, got {head_dim}"
+    if head_dim > 128 and quantization.is_quantized(kv_dtype):
+        # the whole [64, 256] int8/fp8 key tile would be cast in one program's registers
+        return f"{kv_dtype} pages are read at head_dim <= 128, got {head_dim}"
     if block_size < MIN_BLOCK_SIZE or block_size & (block_size - 1):
         return f"block_size must be a power of two >= {MIN_BLOCK_SIZE}, got {block_size}"
     return None

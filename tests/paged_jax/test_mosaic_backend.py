@@ -25,7 +25,9 @@ def gpu(monkeypatch):
     (LLAMA, MOSAIC),
     (dict(LLAMA, dtype=jnp.float16, head_dim=64, block_size=128), MOSAIC),
     (dict(LLAMA, dtype=jnp.float32), "pallas"),  # WGMMA takes 16-bit inputs
-    (dict(LLAMA, head_dim=256), "pallas"),  # spills: see pallas_kernels/mosaic/support.py
+    (dict(LLAMA, head_dim=256), MOSAIC),
+    (dict(LLAMA, head_dim=256, kv_cache_dtype="int8"), "pallas"),  # int8 at hd <= 128 only
+    (dict(LLAMA, head_dim=96), "pallas"),
     (dict(LLAMA, block_size=4), "pallas"),  # a page is whole 8-row tiles
     (dict(LLAMA, kv_cache_dtype="int8"), MOSAIC),
     (dict(LLAMA, kv_cache_dtype="fp8_e4m3"), MOSAIC),

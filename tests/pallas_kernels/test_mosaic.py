@@ -20,6 +20,7 @@ CASES = [  # group, head_dim, block_size, dtype
     (4, 128, 16, BF16),
     (8, 64, 32, F16),
     (8, 128, 128, BF16),
+    (2, 256, 16, BF16),  # two programs, each half of the output columns
 ]
 
 
@@ -82,6 +83,7 @@ RAGGED_CASES = [  # group, head_dim, block_size, dtype
     (1, 64, 8, BF16),  # 64 tokens a tile
     (4, 128, 16, F16),
     (8, 64, 128, BF16),  # 8 tokens a tile: a 24-token prompt takes three
+    (2, 256, 16, F16),
 ]
 
 
@@ -184,7 +186,7 @@ class TestQuantizedInterpret(QuantizedCases):
 
 @pytest.mark.parametrize("change,message", [
     (dict(q=F32), "bfloat16 or float16"),
-    (dict(head_dim=256), "head_dim must be one of"),
+    (dict(head_dim=96), "head_dim must be one of"),
     (dict(block_size=4), "block_size must be a power of two"),
 ])
 def test_rejects_what_it_does_not_take(change, message):
@@ -193,3 +195,11 @@ def test_rejects_what_it_does_not_take(change, message):
                        block_size=change.get("block_size", 8), dtype=dtype)
     with pytest.raises(ValueError, match=message):
         mosaic.paged_attention_mosaic(*(batch[n] for n in NAMES), interpret=True)
+
+
+def test_rejects_quantized_pages_at_head_dim_256():
+    batch = make_batch(3, [5], [1], head_dim=256, dtype=BF16)
+    inputs, _ = quantized(batch, jnp.int8)
+    with pytest.raises(ValueError, match="int8 pages are read at head_dim <= 128, got 256"):
+        mosaic.paged_attention_mosaic(*(inputs[n] for n in NAMES), k_scales=inputs["k_scales"],
+                                      v_scales=inputs["v_scales"], interpret=True)
