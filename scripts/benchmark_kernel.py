@@ -1,6 +1,8 @@
-"""Decode attention time and achieved bandwidth: our Pallas kernel, jax's own Pallas-Triton
+"""Decode attention time and achieved bandwidth: our Pallas Triton kernel, our Pallas Mosaic GPU
+kernel (Hopper, where this jax has it; pallas_kernels/mosaic/), jax's own Pallas-Triton
 paged_attention (where this jax still ships it: 0.12 deprecates it), and a dense attention over
-contiguous K/V, side by side. Our kernel runs at its DECODE_TILES row, which the output records.
+contiguous K/V, side by side, with the Mosaic kernel's speedup over ours on Triton. Our Triton
+kernel runs at its DECODE_TILES row, which the output records.
 
 Bandwidth is the K/V bytes a decode step must read over its time, in TB/s and as a fraction of
 this device's copy bandwidth measured in the same run. Without a GPU (or with --smoke) it runs
@@ -22,6 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
+from pallas_kernels import mosaic, targets  # noqa: E402
 from pallas_kernels.paged_attention import decode_tiles  # noqa: E402
 from scripts import jax_paged_kernel  # noqa: E402
 
@@ -44,11 +47,23 @@ def contiguous(pages, tables):  # -> [batch, context, num_kv_heads, head_dim]
     return per_seq.transpose(1, 2, 0, 3)
 
 
-def methods(gpu, jax_paged_attention):
+def mosaic_status(gpu, head_dim, block_size):
+    """-> None when the Mosaic GPU kernel runs here at these sizes (bf16; on CPU in its
+    interpreter), else why not."""
+    if gpu and targets.gpu_arch() != "sm_90":
+        return f"needs Hopper (sm_90), this GPU is {targets.gpu_arch()}"
+    return mosaic.supports(jnp.bfloat16, head_dim, block_size)
+
+
+def methods(gpu, jax_paged_attention, with_mosaic):
     """name -> (q, k_pages, v_pages, tables, lens, k_dense, v_dense) -> out; jax's kernel only
-    where `jax_paged_attention` is not None."""
+    where `jax_paged_attention` is not None, ours on Mosaic GPU only `with_mosaic`."""
     def ours(q, kp, vp, t, n, kd, vd):
         return pk.paged_attention(q, kp, vp, t, n, interpret=not gpu)
+
+    def ours_mosaic(q, kp, vp, t, n, kd, vd):  # bf16 inputs (the CPU smoke run's are f32)
+        q, kp, vp = (x.astype(jnp.bfloat16) for x in (q, kp, vp))
+        return mosaic.paged_attention_mosaic(q, kp, vp, t, n, interpret=not gpu)
 
     def jax_paged(q, kp, vp, t, n, kd, vd):
         return jax_paged_kernel.attention(jax_paged_attention, q, kp, vp, t, n, interpret=not gpu)
@@ -61,10 +76,15 @@ def methods(gpu, jax_paged_attention):
 
     suffix = "" if gpu else " (interpret)"
     rows = {"paged-jax" + suffix: ours}
+    if with_mosaic:
+        rows[MOSAIC + suffix] = ours_mosaic
     if jax_paged_attention is not None:
         rows["jax pallas paged_attention" + suffix] = jax_paged
     rows["dense (contiguous K/V)"] = dense
     return rows if gpu else {**rows, "paged-jax jnp reference": reference}
+
+
+MOSAIC = "paged-jax mosaic gpu"
 
 
 def timed(fn, args, iters, repeats=5):
@@ -111,9 +131,11 @@ def main():
     dtype = jnp.bfloat16 if gpu else jnp.float32
     jax_paged_attention, jax_status = jax_paged_kernel.load()
     tiles = decode_tiles(dtype, args.head_dim)
+    no_mosaic = mosaic_status(gpu, args.head_dim, args.block_size)
     copy = copy_tb_s(1 << 30 if gpu else 1 << 24, args.iters)
     print(f"{jax.devices()[0].device_kind}: copy bandwidth {copy:.3g} TB/s")
-    print(f"paged-jax tiles (DECODE_TILES): {tiles}; jax's own paged_attention: {jax_status}")
+    print(f"paged-jax tiles (DECODE_TILES): {tiles}; jax's own paged_attention: {jax_status}; "
+          f"mosaic gpu: {no_mosaic or 'runs'}")
     print(f"{'method':40} {'context':>7} {'ms':>9} {'TB/s':>8} {'of copy':>8} "
           f"{'compile s':>9} {'max |diff| vs first':>20}")
     rows = []
@@ -125,7 +147,7 @@ def main():
                   contiguous(v_pages, tables))
         kv_bytes = 2 * args.batch * context * args.num_kv_heads * args.head_dim * q.dtype.itemsize
         expected = None
-        for name, fn in methods(gpu, jax_paged_attention).items():
+        for name, fn in methods(gpu, jax_paged_attention, no_mosaic is None).items():
             compile_s, ms, out = timed(fn, inputs, args.iters)
             out = np.asarray(out, np.float32)
             expected = out if expected is None else expected
@@ -135,10 +157,13 @@ def main():
                              compile_s=compile_s, max_err_vs_first=err))
             print(f"{name:40} {context:7} {ms:9.3f} {tb_s:8.3g} {tb_s / copy:8.1%} "
                   f"{compile_s:9.2f} {err:20.1e}")
+        ms = {row["method"].split(" (")[0]: row["ms"] for row in rows if row["context"] == context}
+        if MOSAIC in ms:
+            print(f"{'':40} {context:7} mosaic gpu {ms['paged-jax'] / ms[MOSAIC]:.2f}x our triton")
     result = dict(device=jax.devices()[0].device_kind, smoke=not gpu, dtype=jnp.dtype(dtype).name,
                   batch=args.batch, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
                   head_dim=args.head_dim, block_size=args.block_size, copy_tb_s=copy, tiles=tiles,
-                  jax_kernel=jax_status, rows=rows)
+                  jax_kernel=jax_status, mosaic=no_mosaic or "runs", rows=rows)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}")

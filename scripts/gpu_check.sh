@@ -4,8 +4,9 @@
 #   1. the gpu-marked tests: the compiled kernels against the references, the engine on the GPU
 #   2. the kernel benchmark: ours at its DECODE_TILES row, jax's own kernel where this jax has it,
 #      dense attention over contiguous K/V (also written as JSON)
-#   3. the engine end to end on the embedded model: the Pallas backend against the reference
-#      backend, greedy tokens compared and tok/s of each
+#   3. the engine end to end on the embedded model: the Pallas backends (Triton, and Mosaic GPU
+#      where this jax has it, on Hopper) against the reference backend, greedy tokens compared
+#      and tok/s of each
 #   4. the engine's programs for Llama-3.1-8B at GPU defaults, each timed beside its roofline
 #      estimate (scripts/time_gpu_programs.py; the estimates are what compile_for_gpu.py prints)
 # From a source checkout with no install step (pytest's pythonpath is ".", the scripts put the
@@ -39,17 +40,20 @@ step() {  # step TITLE SECONDS COMMAND...: run under a time limit; its output go
 
 step "gpu-marked tests" 270 "$python" -m pytest -q -m gpu -p no:cacheprovider
 step "kernel benchmark" 180 "$python" scripts/benchmark_kernel.py --out "$out/benchmark_kernel.json"
-step "engine on the embedded model: pallas against reference" 120 "$python" - <<'EOF'
+step "engine on the embedded model: pallas backends against reference" 140 "$python" - <<'EOF'
 import sys
 import time
 
+from pallas_kernels import mosaic, targets
 from paged_jax import LLM, SamplingParams
 
 PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self):\n",
            'if __name__ == "__main__":\n']
 params = SamplingParams(temperature=0.0, max_tokens=64)
 tokens = {}
-for backend in ("pallas", "reference"):
+hopper = mosaic.AVAILABLE and targets.gpu_arch() == "sm_90"
+pallas = ["pallas"] + (["pallas_mosaic"] if hopper else [])
+for backend in (*pallas, "reference"):
     llm = LLM("models/embedded", attention_backend=backend, log_stats=False)
     llm.generate(PROMPTS, params)  # compiles
     start = time.perf_counter()
@@ -57,11 +61,13 @@ for backend in ("pallas", "reference"):
     seconds = time.perf_counter() - start
     tokens[backend] = [o.outputs[0].token_ids for o in outputs]
     generated = sum(len(t) for t in tokens[backend])
-    print(f"{backend:9} {generated} tokens in {seconds:.2f} s: {generated / seconds:.0f} tok/s")
-for i, (a, b) in enumerate(zip(tokens["pallas"], tokens["reference"])):
-    same = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    print(f"prompt {i}: {'identical' if a == b else f'first difference at token {same}'}")
-sys.exit(0 if tokens["pallas"] == tokens["reference"] else 1)
+    print(f"{backend:13} {generated} tokens in {seconds:.2f} s: {generated / seconds:.0f} tok/s")
+for backend in pallas:
+    for i, (a, b) in enumerate(zip(tokens[backend], tokens["reference"])):
+        same = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        print(f"{backend} prompt {i}: "
+              f"{'identical' if a == b else f'first difference at token {same}'}")
+sys.exit(0 if all(tokens[b] == tokens["reference"] for b in pallas) else 1)
 EOF
 
 # 4. the engine's programs at the sizes users run (Llama-3.1-8B's config, 256 sequences, its whole

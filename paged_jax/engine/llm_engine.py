@@ -52,7 +52,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.output_processor = OutputProcessor(tokenizer)
         window = getattr(model.config, "kv_window", None)  # shared by every layer: blocks behind it are freed
-        backend = resolve_backend(attention_backend)
+        backend = resolve_backend(attention_backend, dtype=model.config.dtype, head_dim=model.config.head_dim,
+                                  block_size=block_size, kv_cache_dtype=kv_cache_dtype)
         kv_dtype = check_kv_cache_dtype(kv_cache_dtype, backend, model.config.dtype)
         self.config = config_lib.resolve(
             model.config, block_size=block_size, num_blocks=num_blocks,

@@ -24,10 +24,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
-from pallas_kernels import quantization, targets
+from pallas_kernels import mosaic, quantization, targets
 from paged_jax.worker import sharding
 
-BACKENDS = ("reference", "pallas", "pallas-interpret", "tpu")
+# "pallas": Pallas Triton ("pallas_triton" names it too); "pallas_mosaic": attention on Pallas
+# Mosaic GPU (Hopper), the cache writes and block copies still on Pallas Triton.
+BACKENDS = ("reference", "pallas", "pallas_mosaic", "pallas-interpret", "tpu")
 LAYOUTS = ("paged", "tpu")
 
 
@@ -142,7 +144,7 @@ def copy_blocks(cache: KVCache, src, dst, *, backend: str = "reference") -> KVCa
     dst = jnp.where(dst >= 0, dst[None, :] + offsets, -1).reshape(-1)
     if cache.layout == "tpu":
         return dataclasses.replace(cache, kv_pages=pk.copy_blocks_tpu(cache.kv_pages, src, dst))
-    if backend in ("pallas", "pallas-interpret"):
+    if backend in ("pallas", "pallas_mosaic", "pallas-interpret"):
         k, v = pk.copy_blocks(cache.k_pages, cache.v_pages, src, dst,
                               interpret=backend == "pallas-interpret")
     else:
@@ -215,6 +217,8 @@ def _attend_local(q, k, v, cache: KVCache, layer, md: AttentionMetadata, *, back
     kwargs.update(scales)
     decode, ragged = ((pk.paged_attention_reference, pk.ragged_paged_attention_reference)
                       if backend == "reference" else (pk.paged_attention, pk.ragged_paged_attention))
+    if backend == "pallas_mosaic":
+        decode, ragged = mosaic.paged_attention_mosaic, mosaic.ragged_paged_attention_mosaic
     if md.decode_only:
         out = decode(q, k_pages, v_pages, tables, md.seq_lens, **kwargs)
     else:
@@ -222,10 +226,30 @@ def _attend_local(q, k, v, cache: KVCache, layer, md: AttentionMetadata, *, back
     return out, dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages, **scales)
 
 
-def resolve_backend(backend: str = "auto") -> str:
-    """`auto`: Pallas through Triton on GPU, jax's TPU kernel on TPU, jnp references elsewhere."""
+def resolve_backend(backend: str = "auto", *, dtype=None, head_dim=None, block_size=None,
+                    kv_cache_dtype="auto") -> str:
+    """`auto`: on a GPU, Pallas Mosaic GPU ("pallas_mosaic") on Hopper when this jax has it and
+    the model's `dtype`, `head_dim`, `block_size` and `kv_cache_dtype` are ones it takes (the first
+    three must be given), else Pallas Triton ("pallas"); jax's TPU kernel on TPU; jnp references elsewhere.
+    "pallas_triton" is "pallas"."""
     if backend == "auto":
-        return {"gpu": "pallas", "tpu": "tpu"}.get(jax.default_backend(), "reference")
+        if jax.default_backend() == "gpu":
+            fits = _mosaic_fits(dtype, head_dim, block_size, kv_cache_dtype)
+            return "pallas_mosaic" if fits else "pallas"
+        return {"tpu": "tpu"}.get(jax.default_backend(), "reference")
+    if backend == "pallas_triton":
+        return "pallas"
     if backend not in BACKENDS:
-        raise ValueError(f"attention_backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+        raise ValueError(f"attention_backend must be 'auto', 'pallas_triton' or one of {BACKENDS}, "
+                         f"got {backend!r}")
+    if backend == "pallas_mosaic" and not mosaic.AVAILABLE:
+        raise ValueError(f"attention_backend 'pallas_mosaic': {mosaic.UNAVAILABLE}")
     return backend
+
+
+def _mosaic_fits(dtype, head_dim, block_size, kv_cache_dtype) -> bool:
+    # Hopper only: Ampere lacks TMA barriers and WGMMA, Blackwell refuses WGMMA (tcgen05 instead)
+    if None in (dtype, head_dim, block_size) or targets.gpu_arch() != "sm_90":
+        return False
+    kv_dtype = quantization.storage_dtype(kv_cache_dtype, dtype)
+    return mosaic.supports(dtype, head_dim, block_size, kv_dtype) is None

@@ -1,0 +1,238 @@
+"""The Mosaic GPU paged-attention kernel (Hopper, sm_90a) both wrappers launch: decode (decode.py)
+and ragged prefill + decode (ragged.py).
+
+A program (one warpgroup, 128 threads) owns ROWS = 64 query rows of one KV head, the rows of one
+WGMMA tile: `num_tokens` consecutive tokens of one sequence times the KV head's G query heads
+(row r: token r // G, head r % G; decode has one token, so G rows and the rest padding). The
+wrappers gather those rows in XLA into q_rows [num_tiles, num_kv_heads, ROWS, head_dim] and scatter
+the output back. Grid (num_tiles, num_kv_heads, halves): halves is 2 at head_dim 256 (PV_COLS),
+else 1. The program walks its keys in steps of KEYS = 64
+positions: for each step it reads the block-table entries itself and issues one TMA copy per page
+(or per 64-row slice of a larger page) of K and V into shared memory, double-buffered: step t + 1's
+copies fly while step t computes. q.k^T and p.v run on WGMMA with both operands in shared memory (p
+is written there: the Mosaic GPU interpreter cannot take a register operand), and an online softmax
+in base 2 (FlashAttention-2) runs in registers. Row r sees keys [lo_r, hi_r): causal, within the
+window. Steps cut by the union of the rows' spans zero the V rows outside it in shared memory
+first: those slots may hold anything, NaN included, and 0 * NaN would poison p.v. A row that sees
+no key (padding, seq_len 0) writes zeros."""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+ROWS = 64  # a warpgroup's WGMMA tile
+KEYS = 64  # key positions per step: the N of q.k^T and the K of p.v
+# A program keeps at most 128 output columns: at head_dim 256 one [64, 256] f32 accumulator and
+# the step's p.v took all 255 registers and spilled 360 bytes (H100). There a third grid axis
+# splits the columns in two: each program computes the same q.k^T and softmax (reads K whole) and
+# the p.v of its half (reads that half of V), so K is read twice (the second time likely from L2).
+PV_COLS = 128
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: see online_softmax.MASK_VALUE
+LOG2E = math.log2(math.e)
+
+
+def _cast(x, dtype):
+    """Hopper converts fp8 to f16 only: fp8 -> bf16 goes through f32."""
+    if x.dtype == jnp.float8_e4m3fn and dtype != jnp.float16:
+        x = x.astype(jnp.float32)
+    return x.astype(dtype)
+
+
+def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
+            q_smem, k_smem, v_smem, p_smem, q_barrier, kv_barriers, group, sm_scale, soft_cap,
+            sliding_window, quantized=None):
+    # tile_seq_ref: i32[num_tiles], the block-table row; tile_pos_ref: i32[num_tiles], the position
+    # of the tile's first token in its sequence; tile_tokens_ref: i32[num_tiles], its live tokens
+    # (0..ROWS // group) (GMEM)
+    # tables_ref: i32[num_seqs, max_blocks_per_seq] (GMEM)
+    # q_ref, o_ref: [num_tiles, num_kv_heads, ROWS, head_dim] (GMEM)
+    # k_ref, v_ref: [num_kv_heads, num_blocks, block_size, head_dim] (GMEM)
+    # refs: (k_scale_ref, v_scale_ref f32[num_kv_heads, num_blocks, block_size] with int8/fp8
+    # pages,) o_ref
+    # q_smem: [ROWS, head_dim]; k_smem: [2, KEYS, head_dim], v_smem: [2, KEYS, cols] (two slots,
+    # the pages' dtype; cols: this program's output columns); p_smem: [ROWS, KEYS]; kv_barriers:
+    # one per slot, an arrival per copy. quantized: dict(k16=[KEYS, head_dim], v16=[KEYS, cols]
+    # in q's dtype (the cast pages WGMMA reads), ks=, vs= f32[2, KEYS] (the step's scales))
+    o_ref = refs[-1]
+    tile, head = lax.axis_index("tile"), lax.axis_index("head")
+    _, num_blocks, block_size, head_dim = k_ref.shape
+    cols = v_smem.shape[-1]
+    out_cols = pl.ds(lax.axis_index("half") * cols, cols)  # this program's output columns
+    chunk = min(block_size, KEYS)
+    capacity = tables_ref.shape[1] * block_size  # the keys a block-table row can address
+    seq, pos0, tokens = tile_seq_ref[tile], tile_pos_ref[tile], tile_tokens_ref[tile]
+    # Keys [lo_min, hi_max): the union of the rows' spans (the first token's window start, the
+    # last token's causal end), clamped so a bad seq_len cannot read past its table row.
+    hi_max = jnp.clip(pos0 + tokens, 0, capacity)
+    lo_min = 0 if sliding_window is None else jnp.maximum(pos0 + 1 - sliding_window, 0)
+    first = lo_min // KEYS
+    end = jnp.maximum(lax.div(hi_max + KEYS - 1, KEYS), first)
+
+    def fetch(step, slot):  # TMA copies of step's K and V pages into `slot`
+        for c in range(KEYS // chunk):
+            pos = step * KEYS + c * chunk
+            # A step may reach past the table's last column (masked keys) and a corrupt table
+            # past the pages: both clamped, as XLA's gather clamps, so no read leaves its array.
+            entry = jnp.minimum(pos // block_size, tables_ref.shape[1] - 1)
+            block = jnp.clip(tables_ref[seq, entry], 0, num_blocks - 1)
+            src, dst = pl.ds(pos % block_size, chunk), pl.ds(c * chunk, chunk)
+            plgpu.copy_gmem_to_smem(k_ref.at[head, block, src], k_smem.at[slot, dst],
+                                    kv_barriers.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[head, block, src, out_cols], v_smem.at[slot, dst],
+                                    kv_barriers.at[slot])
+            if quantized:
+                for scale_ref, scale_smem in zip(refs[:2], (quantized["ks"], quantized["vs"])):
+                    plgpu.copy_gmem_to_smem(scale_ref.at[head, block, src],
+                                            scale_smem.at[slot, dst], kv_barriers.at[slot])
+
+    plgpu.copy_gmem_to_smem(q_ref.at[tile, head], q_smem, q_barrier)
+    pl.when(end > first)(lambda: fetch(first, 0))
+    plgpu.barrier_wait(q_barrier)
+
+    wgmma_layout = plgpu.Layout.WGMMA
+    m = plgpu.layout_cast(jnp.full((ROWS,), MASK_VALUE, jnp.float32), wgmma_layout.reduce(1))
+    l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), wgmma_layout.reduce(1))
+    acc = plgpu.layout_cast(jnp.zeros((ROWS, cols), jnp.float32), wgmma_layout)
+    # Row r's span [lo, hi): token r // group sits at position pos0 + r // group.
+    token = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 0, layout=wgmma_layout) // group
+    row_pos = pos0 + token
+    hi = jnp.where((token < tokens) & (row_pos >= 0), jnp.minimum(row_pos + 1, capacity), 0)
+    lo = 0 if sliding_window is None else jnp.maximum(hi - sliding_window, 0)
+
+    def qk(keys, acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, keys.T)
+        return acc_ref[...]
+
+    def pv(values, acc_ref):
+        plgpu.wgmma(acc_ref, p_smem, values)
+        return acc_ref[...]
+
+    def key_positions(t, layout, dim):  # i32 iota of the step's key positions along `dim`
+        return t * KEYS + plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS) if dim == 1 else
+                                                 (KEYS, cols), dim, layout=layout)
+
+    def step(i, carry):
+        acc, m, l = carry  # f32[ROWS, cols], f32[ROWS], f32[ROWS]
+        t, slot = first + i, lax.rem(i, 2)
+        pl.when(t + 1 < end)(lambda: fetch(t + 1, 1 - slot))
+        plgpu.barrier_wait(kv_barriers.at[slot])
+
+        keys, values = k_smem.at[slot], v_smem.at[slot]
+        if quantized:  # cast to q's dtype into k16/v16, zeroing V outside the span on the way
+            keys, values = quantized["k16"], quantized["v16"]
+            keys[...] = _cast(plgpu.load(k_smem.at[slot], layout=wgmma_layout), keys.dtype)
+            v = _cast(plgpu.load(v_smem.at[slot], layout=wgmma_layout), values.dtype)
+            pos = key_positions(t, wgmma_layout, 0)
+            values[...] = jnp.where((pos >= lo_min) & (pos < hi_max), v, 0.0)
+            plgpu.commit_smem()
+        else:
+            @pl.when((t * KEYS < lo_min) | ((t + 1) * KEYS > hi_max))
+            def _():
+                v = plgpu.load(v_smem.at[slot], layout=wgmma_layout)
+                pos = key_positions(t, wgmma_layout, 0)
+                v_smem.at[slot][...] = jnp.where((pos >= lo_min) & (pos < hi_max), v, 0.0)
+                plgpu.commit_smem()
+
+        s = pl.run_scoped(functools.partial(qk, keys), plgpu.ACC((ROWS, KEYS), jnp.float32))
+        pos = key_positions(t, wgmma_layout, 1)
+        if quantized:  # the logits times the keys' scales; scales outside the span may be NaN
+            span = (pos >= lo_min) & (pos < hi_max)
+            ks = plgpu.load(quantized["ks"].at[slot], layout=wgmma_layout.reduce(0))
+            s = s * jnp.where(span, lax.broadcast_in_dim(ks, s.shape, [1]), 0.0)
+        if soft_cap is None:
+            s = s * (sm_scale * LOG2E)
+        else:
+            s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2E)
+        visible = (pos >= lo) & (pos < hi)
+        s = jnp.where(visible, s, MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.where(visible, jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
+        l = l * alpha + p.sum(axis=1)
+        if quantized:  # the probabilities times the values' scales, before p.v
+            vs = plgpu.load(quantized["vs"].at[slot], layout=wgmma_layout.reduce(0))
+            p = p * jnp.where(span, lax.broadcast_in_dim(vs, p.shape, [1]), 0.0)
+        p_smem[...] = p.astype(p_smem.dtype)
+        plgpu.commit_smem()
+        acc = (acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+               + pl.run_scoped(functools.partial(pv, values), plgpu.ACC((ROWS, cols), jnp.float32)))
+        return acc, m_new, l
+
+    acc, _, l = lax.fori_loop(0, end - first, step, (acc, m, l))
+    l_b = lax.broadcast_in_dim(l, acc.shape, [0])  # rows that saw no key give zeros
+    out = jnp.where(l_b > 0, acc / jnp.where(l_b > 0, l_b, 1.0), 0.0)
+    # The output's staging buffer, free once the loop is done: q_smem when it is all the columns,
+    # else a V slot (a TMA copy reads contiguous shared memory: half of q_smem's columns is not).
+    stage = q_smem if cols == head_dim else v_smem.at[0]
+    stage[...] = out.astype(stage.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(stage, o_ref.at[tile, head, :, out_cols])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _smem_tiles(dtype, head_dim):
+    """Swizzled tiles of 8 rows x one swizzle span (128 bytes, or the whole row when shorter): the
+    layout WGMMA and the TMA read without bank conflicts."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(128, head_dim * itemsize)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def attention(
+    q_rows,  # [num_tiles, num_kv_heads, ROWS, head_dim]; row r: token r // group, head r % group
+    k_pages,  # [num_kv_heads, num_blocks, block_size, head_dim]: q's dtype, or int8/fp8
+    v_pages,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    block_tables,  # i32[num_seqs, max_blocks_per_seq]
+    tile_seq,  # i32[num_tiles]: each tile's block-table row
+    tile_pos,  # i32[num_tiles]: the position of its first token in the sequence
+    tile_tokens,  # i32[num_tiles]: its live tokens, 0..ROWS // group
+    k_scales=None,  # f32[num_kv_heads, num_blocks, block_size]: with int8/fp8 pages
+    v_scales=None,  # f32[num_kv_heads, num_blocks, block_size]
+    *,
+    group: int,
+    sm_scale: float,
+    soft_cap: float | None,
+    sliding_window: int | None,
+    interpret: bool,
+):  # -> [num_tiles, num_kv_heads, ROWS, head_dim]
+    """Launch the kernel: grid (num_tiles, num_kv_heads, head_dim // cols)."""
+    _, _, _, head_dim = q_rows.shape
+    block_size = k_pages.shape[2]
+    dtype, kv_dtype = q_rows.dtype, k_pages.dtype
+    copies = KEYS // min(block_size, KEYS)
+    cols = min(head_dim, PV_COLS)
+    smem = dict(
+        q_smem=plgpu.SMEM((ROWS, head_dim), dtype, transforms=_smem_tiles(dtype, head_dim)),
+        k_smem=plgpu.SMEM((2, KEYS, head_dim), kv_dtype, transforms=_smem_tiles(kv_dtype, head_dim)),
+        v_smem=plgpu.SMEM((2, KEYS, cols), kv_dtype, transforms=_smem_tiles(kv_dtype, cols)),
+        p_smem=plgpu.SMEM((ROWS, KEYS), dtype, transforms=_smem_tiles(dtype, KEYS)),
+        q_barrier=plgpu.Barrier(num_barriers=1),
+        kv_barriers=plgpu.Barrier(num_arrivals=(4 if k_scales is not None else 2) * copies,
+                                  num_barriers=2))
+    inputs = [tile_seq, tile_pos, tile_tokens, block_tables.astype(jnp.int32), q_rows, k_pages,
+              v_pages]
+    quantized = k_scales is not None
+    if quantized:
+        inputs += [k_scales, v_scales]
+        smem["quantized"] = dict(
+            k16=plgpu.SMEM((KEYS, head_dim), dtype, transforms=_smem_tiles(dtype, head_dim)),
+            v16=plgpu.SMEM((KEYS, cols), dtype, transforms=_smem_tiles(dtype, cols)), ks=plgpu.SMEM((2, KEYS), jnp.float32),
+                                 vs=plgpu.SMEM((2, KEYS), jnp.float32))
+    kernel = functools.partial(_kernel, group=group, sm_scale=sm_scale, soft_cap=soft_cap,
+                               sliding_window=sliding_window)
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct(q_rows.shape, dtype),
+        scratch_types=smem,
+        grid=(tile_seq.shape[0], k_pages.shape[0], head_dim // cols),
+        grid_names=("tile", "head", "half"),
+        kernel_name="paged_attention_mosaic",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(*inputs)

@@ -1,0 +1,56 @@
+"""Which jax and which inputs the Mosaic GPU kernels take; the rest stays on Pallas Triton."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import quantization
+
+
+def _unavailable() -> str | None:
+    """-> why this jax cannot run the kernels, or None when it can."""
+    try:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+    except ImportError as e:
+        return f"jax {jax.__version__} has no Pallas Mosaic GPU ({e})"
+    missing = [name for name in ("kernel", "InterpretGPUParams", "wgmma", "ACC")
+               if not hasattr(plgpu, name)]
+    if missing:
+        return (f"jax {jax.__version__}'s Pallas Mosaic GPU lacks {', '.join(missing)} "
+                "(the kernels are written for jax >= 0.12)")
+    return None
+
+
+UNAVAILABLE = _unavailable()
+AVAILABLE = UNAVAILABLE is None
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # WGMMA's 16-bit inputs
+HEAD_DIMS = (64, 128, 256)  # 256: two programs per (tile, KV head), see kernel.PV_COLS
+MIN_BLOCK_SIZE = 8  # a TMA copy of a page is whole 8-row tiles of its swizzled shared-memory layout
+
+
+def supports(dtype, head_dim: int, block_size: int, kv_dtype=None) -> str | None:
+    """-> None when the Mosaic GPU kernels take queries of `dtype`, `head_dim` and pages of
+    `block_size` tokens (and of `kv_dtype`, default `dtype`), else the reason they do not."""
+    if UNAVAILABLE:
+        return UNAVAILABLE
+    kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
+    if jnp.dtype(dtype) not in DTYPES:
+        return f"queries must be bfloat16 or float16 (WGMMA's 16-bit inputs), got {jnp.dtype(dtype)}"
+    if kv_dtype not in DTYPES + tuple(quantization.QMAX):
+        return f"pages must be 16-bit, int8 or float8_e4m3fn, got {kv_dtype}"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim must be one of {HEAD_DIMS}, got {head_dim}"
+    if head_dim > 128 and quantization.is_quantized(kv_dtype):
+        # the whole [64, 256] int8/fp8 key tile would be cast in one program's registers
+        return f"{kv_dtype} pages are read at head_dim <= 128, got {head_dim}"
+    if block_size < MIN_BLOCK_SIZE or block_size & (block_size - 1):
+        return f"block_size must be a power of two >= {MIN_BLOCK_SIZE}, got {block_size}"
+    return None
+
+
+def check_supported(name: str, q, k_pages):
+    """ValueError naming `name` and the reason when the kernels do not take q [.., .., head_dim]
+    and k_pages [num_kv_heads, num_blocks, block_size, head_dim]."""
+    reason = supports(q.dtype, q.shape[-1], k_pages.shape[2], k_pages.dtype)
+    if reason:
+        raise ValueError(f"{name}: {reason}")

@@ -1,0 +1,205 @@
+"""The Mosaic GPU decode and ragged kernels in the Mosaic GPU interpreter (CPU) against a dense float64
+attention and the jnp reference, and compiled on a Hopper GPU (marked `gpu`). jax before 0.12 has
+no usable Pallas Mosaic GPU: there every test skips, naming the jax version."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import (mosaic, paged_attention_reference, quantization,
+                            ragged_paged_attention_reference)
+from tests.pallas_kernels.paged_batches import (BF16, F16, F32, TOL, dense_attention, make_batch,
+                                               poison_unseen, rel_err)
+
+pytestmark = pytest.mark.skipif(not mosaic.AVAILABLE, reason=str(mosaic.UNAVAILABLE))
+
+NAMES = ("q", "k_pages", "v_pages", "block_tables", "seq_lens")
+
+CASES = [  # group, head_dim, block_size, dtype
+    (1, 64, 8, BF16),
+    (4, 128, 16, BF16),
+    (8, 64, 32, F16),
+    (8, 128, 128, BF16),
+    (2, 256, 16, BF16),  # two programs, each half of the output columns
+]
+
+
+class DecodeCases:
+    INTERPRET = False
+
+    def run(self, batch, **opts):
+        return mosaic.paged_attention_mosaic(*(batch[n] for n in NAMES),
+                                             interpret=self.INTERPRET, **opts)
+
+    def check(self, batch, **opts):
+        out = self.run(batch, **opts)
+        tol = TOL[batch["q"].dtype.type]
+        assert out.shape == batch["q"].shape and out.dtype == batch["q"].dtype
+        assert rel_err(out, dense_attention(batch, **opts)) <= tol
+        return out
+
+    @pytest.mark.parametrize("group,head_dim,block_size,dtype", CASES)
+    def test_matches_dense_float64(self, group, head_dim, block_size, dtype):
+        """Lengths on and around 64-key steps and block edges, several steps, a padding row;
+        every page slot no row may see holds NaN."""
+        lens = [1, block_size - 1, 64, 65, 2 * block_size + 70, 0]
+        batch = poison_unseen(make_batch(0, lens, [1] * len(lens), group=group, head_dim=head_dim,
+                                         block_size=block_size, dtype=dtype))
+        out = self.check(batch)
+        assert not np.asarray(out[-1]).any()  # the padding row: zeros
+
+    def test_soft_cap_and_sliding_window(self):
+        """Window starts on and off 64-key steps; the pages before each window are NaN."""
+        lens = [1, 10, 63, 64, 100, 150, 0]
+        batch = make_batch(1, lens, [1] * len(lens), group=4, block_size=16, dtype=BF16)
+        batch = poison_unseen({**batch, "q": batch["q"] * 4}, sliding_window=37)
+        self.check(batch, soft_cap=3.0, sliding_window=37, sm_scale=0.2)
+
+    def test_matches_jnp_reference(self):
+        """The same bf16 inputs through the engine's jnp reference (a prefix-shared block: two
+        sequences' tables start with the same blocks, as after a prefix-cache hit)."""
+        batch = make_batch(2, [40, 90, 17], [1, 1, 1], group=8, num_kv_heads=1, block_size=16,
+                           dtype=BF16)
+        tables = np.asarray(batch["block_tables"]).copy()
+        tables[1, :2] = tables[0, :2]
+        batch["block_tables"] = jnp.asarray(tables)
+        out = self.run(batch)
+        ref = paged_attention_reference(*(batch[n] for n in NAMES))
+        assert rel_err(out, ref) <= TOL[BF16]
+        assert rel_err(out, dense_attention(batch)) <= TOL[BF16]
+
+
+@pytest.mark.gpu
+class TestDecodeGpu(DecodeCases):
+    INTERPRET = False
+
+
+class TestDecodeInterpret(DecodeCases):
+    INTERPRET = True
+
+
+RAGGED_NAMES = NAMES + ("query_start_loc",)
+RAGGED_CASES = [  # group, head_dim, block_size, dtype
+    (1, 64, 8, BF16),  # 64 tokens a tile
+    (4, 128, 16, F16),
+    (8, 64, 128, BF16),  # 8 tokens a tile: a 24-token prompt takes three
+    (2, 256, 16, F16),
+]
+
+
+class RaggedCases:
+    INTERPRET = False
+
+    def run(self, batch, **opts):
+        return mosaic.ragged_paged_attention_mosaic(*(batch[n] for n in RAGGED_NAMES),
+                                                    interpret=self.INTERPRET, **opts)
+
+    def check(self, batch, **opts):
+        out = self.run(batch, **opts)
+        assert out.shape == batch["q"].shape and out.dtype == batch["q"].dtype
+        assert rel_err(out, dense_attention(batch, **opts)) <= TOL[batch["q"].dtype.type]
+        return out
+
+    @pytest.mark.parametrize("group,head_dim,block_size,dtype", RAGGED_CASES)
+    def test_mixed_batch_matches_dense_float64(self, group, head_dim, block_size, dtype):
+        """Decode rows, a chunk of 7 after a 70-token prefix hit, whole prompts of 24 and 23
+        tokens, a padding sequence, a 10-token chunk, 3 padding tokens; unseen slots are NaN."""
+        seq_lens = [block_size + 1, 1, 77, 24, 23, 0, 2 * block_size + 10]
+        q_lens = [1, 1, 7, 24, 23, 0, 10]
+        batch = poison_unseen(make_batch(6, seq_lens, q_lens, group=group, head_dim=head_dim,
+                                         block_size=block_size, dtype=dtype, pad_tokens=3))
+        out = self.check(batch)
+        assert not np.asarray(out[-3:]).any()  # padding tokens: zeros
+
+    def test_soft_cap_window_and_shared_prefix(self):
+        """A 37-key window over prompts longer than it, a soft cap; sequences 0 and 1 share their
+        first two blocks (a prefix-cache hit), checked against the jnp reference too."""
+        seq_lens, q_lens = [90, 100, 40, 1], [20, 30, 40, 1]
+        batch = make_batch(7, seq_lens, q_lens, group=4, block_size=16, dtype=BF16)
+        tables = np.asarray(batch["block_tables"]).copy()
+        tables[1, :2] = tables[0, :2]
+        clean = {**batch, "block_tables": jnp.asarray(tables), "q": batch["q"] * 4}
+        opts = dict(soft_cap=3.0, sliding_window=37)
+        out = self.check(poison_unseen(clean, sliding_window=37), **opts)
+        # the reference reads whole chunks, so it gets the batch without NaN
+        ref = ragged_paged_attention_reference(*(clean[n] for n in RAGGED_NAMES), **opts)
+        assert rel_err(out, ref) <= TOL[BF16]
+
+
+@pytest.mark.gpu
+class TestRaggedGpu(RaggedCases):
+    INTERPRET = False
+
+
+class TestRaggedInterpret(RaggedCases):
+    INTERPRET = True
+
+
+def quantized(batch, storage, sliding_window=None):
+    """-> (inputs with `storage` pages and NaN scales (and fp8 NaN pages) in every slot no token
+    may see, their dequantized batch for the float64 reference)."""
+    unseen = np.isnan(np.asarray(poison_unseen(batch, sliding_window)["k_pages"], np.float32))
+    unseen = unseen[..., 0]  # bool[num_kv_heads, num_blocks, block_size]
+    out, dequantized = dict(batch), dict(batch)
+    for name in ("k", "v"):
+        pages, scales = quantization.quantize(batch[name + "_pages"], storage)
+        dequantized[name + "_pages"] = quantization.dequantize(pages, scales)
+        if storage == jnp.float8_e4m3fn:
+            pages = jnp.where(unseen[..., None], jnp.nan, pages.astype(F32)).astype(storage)
+        out[name + "_pages"], out[name + "_scales"] = pages, jnp.where(unseen, jnp.nan, scales)
+    return out, dequantized
+
+
+class QuantizedCases:
+    """int8/fp8 pages: cast to q's dtype in shared memory, scaled per (token, KV head)."""
+    INTERPRET = False
+
+    @pytest.mark.parametrize("storage", [jnp.int8, jnp.float8_e4m3fn])
+    def test_decode(self, storage):
+        lens = [1, 15, 64, 65, 150, 0]
+        batch = make_batch(8, lens, [1] * len(lens), group=8, head_dim=128, block_size=16,
+                           dtype=BF16)
+        inputs, dequantized = quantized(batch, storage, sliding_window=100)
+        out = mosaic.paged_attention_mosaic(
+            *(inputs[n] for n in NAMES), k_scales=inputs["k_scales"],
+            v_scales=inputs["v_scales"], sliding_window=100, interpret=self.INTERPRET)
+        assert rel_err(out, dense_attention(dequantized, sliding_window=100)) <= TOL[BF16]
+
+    def test_ragged_int8(self):
+        batch = make_batch(9, [77, 24, 1], [7, 24, 1], group=4, head_dim=64, block_size=8,
+                           dtype=F16)
+        inputs, dequantized = quantized(batch, jnp.int8)
+        out = mosaic.ragged_paged_attention_mosaic(
+            *(inputs[n] for n in RAGGED_NAMES), k_scales=inputs["k_scales"],
+            v_scales=inputs["v_scales"], interpret=self.INTERPRET)
+        assert rel_err(out, dense_attention(dequantized)) <= TOL[F16]
+
+
+@pytest.mark.gpu
+class TestQuantizedGpu(QuantizedCases):
+    INTERPRET = False
+
+
+class TestQuantizedInterpret(QuantizedCases):
+    INTERPRET = True
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(q=F32), "bfloat16 or float16"),
+    (dict(head_dim=96), "head_dim must be one of"),
+    (dict(block_size=4), "block_size must be a power of two"),
+])
+def test_rejects_what_it_does_not_take(change, message):
+    dtype = change.get("q", BF16)
+    batch = make_batch(3, [5], [1], head_dim=change.get("head_dim", 64),
+                       block_size=change.get("block_size", 8), dtype=dtype)
+    with pytest.raises(ValueError, match=message):
+        mosaic.paged_attention_mosaic(*(batch[n] for n in NAMES), interpret=True)
+
+
+def test_rejects_quantized_pages_at_head_dim_256():
+    batch = make_batch(3, [5], [1], head_dim=256, dtype=BF16)
+    inputs, _ = quantized(batch, jnp.int8)
+    with pytest.raises(ValueError, match="int8 pages are read at head_dim <= 128, got 256"):
+        mosaic.paged_attention_mosaic(*(inputs[n] for n in NAMES), k_scales=inputs["k_scales"],
+                                      v_scales=inputs["v_scales"], interpret=True)
