@@ -243,6 +243,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--preemption-mode", default="recompute", help='"recompute" or "swap" (to host memory)')
     ap.add_argument("--swap-space", type=float, default=4,
                     help="GiB of host memory for swapped blocks and the host prefix cache")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                    help="plan the next decode call while the device runs this one (vLLM's; default: on)")
     ap.add_argument("--enable-host-prefix-cache", action="store_true",
                     help="keep the prefix cache's evicted blocks in that host memory")
     ap.add_argument("--api-key", default=os.environ.get("PAGED_JAX_API_KEY"),
@@ -318,7 +320,8 @@ def _build(args, model: str):
         llm = LLM(model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
                   enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
                   preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-                  enable_host_prefix_cache=args.enable_host_prefix_cache, log_stats=args.process_id == 0, **engine_args)
+                  enable_host_prefix_cache=args.enable_host_prefix_cache, async_scheduling=args.async_scheduling,
+                  log_stats=args.process_id == 0, **engine_args)
         tokenizer = llm.get_tokenizer()
         if args.chat_template:
             if tokenizer is None:
