@@ -95,13 +95,14 @@ def compile_seconds(since: float, until: float = float("inf")) -> float:
 
 def block_fill(pool) -> tuple[np.ndarray, np.ndarray]:
     """(tokens held per block i32[num_blocks], ref counts i32[num_blocks]) read from a block pool. A
-    block shared by several sequences is counted once, with the most tokens any of them holds in it."""
+    block shared by several sequences is counted once, with the most tokens any of them holds in it.
+    Copies: the engine's pool is updated in place."""
     tables, lens = np.asarray(pool.block_tables), np.asarray(pool.seq_lens)
     bs = pool.block_size
     fill = np.clip(lens[:, None] - bs * np.arange(tables.shape[1])[None, :], 0, bs)  # i32[seqs, blocks]
     held = np.zeros(pool.num_blocks, np.int64)
     np.maximum.at(held, tables[fill > 0], fill[fill > 0])
-    return held, np.asarray(pool.ref_cnt)
+    return held, np.array(pool.ref_cnt)
 
 
 def percentiles(values, qs=(50, 90)) -> dict:

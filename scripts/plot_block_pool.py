@@ -41,31 +41,33 @@ COLOURS = dict(zip(["A", "B", "C", "D", "E1", "E2"], plt.get_cmap("tab10").color
 def simulate(model, block_size: int, moments: list[int]) -> list[dict]:
     """Run the workload, one `engine.step()` at a time, and read the pool after each step in `moments`."""
     llm = LLM(model, block_size=block_size, num_blocks=KV_TOKENS // block_size + 1, max_num_seqs=8,
-              max_num_batched_tokens=32, max_model_len=MAX_MODEL_LEN, num_decode_steps=2, log_stats=False)
-    engine, owners, shots = llm.engine, {}, []  # owners: slot -> the last sequence seen in it
+              max_num_batched_tokens=32, max_model_len=MAX_MODEL_LEN, num_decode_steps=2, log_stats=False,
+              async_scheduling=False)  # one device call a step, its outputs processed in it
+    engine, owners, shots, running = llm.engine, {}, [], []  # owners: slot -> the last sequence seen in it
     for step in range(1, max(moments) + 1):
         for name, arrival, prompt, params in WORKLOAD:
             if arrival == step - 1:
                 engine.add_request(name, prompt, params)
-        engine.step()
+        finished = {out.request_id for out in engine.step() if out.finished}
+        done = sorted(label for label in running if label[0] in finished)  # their blocks are free already
         running = [seq.request.request_id + (str(seq.index + 1) if seq.request.params.n > 1 else "")
                    for seq in engine.scheduler.running]
         owners.update((seq.slot, label) for seq, label in zip(engine.scheduler.running, running))
         if step in moments:
             pool = engine.block_pool
             held, ref = block_fill(pool)
-            tables, lens = np.asarray(pool.block_tables), np.asarray(pool.seq_lens)
+            tables, lens = np.array(pool.block_tables), np.array(pool.seq_lens)
             owner_blocks = {owners[slot]: tables[slot, : -(-int(lens[slot]) // block_size)].tolist()
                             for slot in sorted(owners) if lens[slot] > 0}
             block_owner = {}
             for label, blocks in owner_blocks.items():  # the first sequence that maps a block colours it
                 for b in blocks:
                     block_owner.setdefault(b, label)
-            shots.append(dict(step=step, held=held, ref=ref, cached=np.asarray(pool.cached), owner=block_owner,
+            shots.append(dict(step=step, held=held, ref=ref, cached=np.array(pool.cached), owner=block_owner,
                               owner_blocks=owner_blocks,
                               running=sorted(running), waiting=[s.request.request_id for s in engine.scheduler.waiting],
                               # finished in this step: the engine frees their blocks with its next device call
-                              done=sorted(owners[slot] for slot in engine.scheduler.pending_free)))
+                              done=done))
     return shots
 
 
@@ -96,7 +98,7 @@ def draw(ax, shot, block_size: int, title: str) -> None:
     slots = int((shot["ref"][1:] > 0).sum()) * block_size
     names = {k: " ".join(shot[k]) or "-" for k in ("running", "done", "waiting")}
     ax.set_title(f"{title}, after step {shot['step']}: {held}/{slots} allocated slots hold a token\nrunning "
-                 f"{names['running']}; finished, freed next step {names['done']}; waiting {names['waiting']}",
+                 f"{names['running']}; finished (blocks freed) {names['done']}; waiting {names['waiting']}",
                  fontsize=8)
 
 

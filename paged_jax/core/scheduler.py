@@ -187,6 +187,8 @@ class Scheduler:
             return None
         kv = self.kv_manager
         rows = [(seq, kv.num_mapped(seq.slot)) for seq, _ in prev.scheduled if not seq.finished]
+        for seq, mapped in rows:  # `prev` reads them before this call, which may reuse them, runs
+            self._remove_skipped_blocks(seq, mapped)
         rows = [(seq, mapped) for seq, mapped in rows
                 if self._lookahead_len(seq, mapped, seq.num_output + mapped - seq.num_computed) > mapped]
         if not rows:
@@ -232,6 +234,7 @@ class Scheduler:
             if seq.status == Status.WAITING:
                 break
             self._allocate([seq], [target])
+            self._fork_children(seq, n, plan)
             plan.scheduled.append((seq, n))
             budget -= n
             i += 1
@@ -260,6 +263,7 @@ class Scheduler:
             kv.share(seq.slot, [b for b, _ in hits], [v for _, v in hits])
             seq.status, seq.num_computed, seq.prefill_end = Status.RUNNING, cached, seq.num_tokens
             self._allocate([seq], [cached + n])
+            self._fork_children(seq, n, plan)
             if swapped:
                 plan.swap_in.append((seq.slot, seq.host_blocks, 0))
                 self.host_pool.free(seq.host_blocks)  # read by the runner before any later swap-out
@@ -277,17 +281,6 @@ class Scheduler:
             plan.scheduled.append((seq, n))
             self.running.append(seq)
 
-        for seq, n in plan.scheduled:
-            if seq.children and seq.num_computed + n == seq.num_tokens:
-                for child in seq.children:
-                    if seq.num_tokens % self.block_size:  # the child's copy of the tail takes a block
-                        if self.host_tier:
-                            self._tier_out_pending += self._tier_copies(kv.next_evictions(1))
-                        self.prefix_cache.evict(kv.next_evictions(1))
-                    src, dst = kv.fork(seq.slot, child.slot)
-                    plan.forks.append((child, seq))
-                    if src >= 0:
-                        plan.copies.append((src, dst))
         plan.num_waiting = len(self.waiting)
         plan.is_decode = bool(plan.scheduled) and not (plan.admitted or plan.forks or plan.preempted) and all(
             n == 1 and seq.num_tokens - seq.num_computed == 1 for seq, n in plan.scheduled)
@@ -297,6 +290,21 @@ class Scheduler:
         plan.tier_out, self._tier_out_pending = self._tier_out_pending, []
         self._set_tables(plan)
         return plan
+
+    def _fork_children(self, seq: Sequence, n: int, plan: Plan) -> None:
+        """When this chunk completes the prompt of `seq`, its parallel samples fork from it now (the
+        blocks `_fork_blocks` counted), before a later admission can take them."""
+        if not (seq.children and seq.num_computed + n == seq.num_tokens):
+            return
+        for child in seq.children:
+            if seq.num_tokens % self.block_size:  # the child's copy of the tail takes a block
+                if self.host_tier:
+                    self._tier_out_pending += self._tier_copies(self.kv_manager.next_evictions(1))
+                self.prefix_cache.evict(self.kv_manager.next_evictions(1))
+            src, dst = self.kv_manager.fork(seq.slot, child.slot)
+            plan.forks.append((child, seq))
+            if src >= 0:
+                plan.copies.append((src, dst))
 
     def reserve(self, plan: Plan) -> None:
         """For a caller that plans its own rows (beam search, whose pool is sized for its worst
@@ -369,14 +377,16 @@ class Scheduler:
         self.num_preemptions = self.num_swap_preemptions = self.num_swap_fallbacks = 0
         self.num_recomputed_tokens = self.num_tier_hit_tokens = 0
 
-    def _remove_skipped_blocks(self, seq: Sequence) -> None:
+    def _remove_skipped_blocks(self, seq: Sequence, computed: int | None = None) -> None:
         """vLLM's SlidingWindowManager.remove_skipped_blocks: the next token (position num_computed)
         and every later one attend to positions > num_computed - window, so the blocks wholly before
         that go back to the pool (the table entry becomes the null block). A long generation then
-        holds about window / block_size + 1 blocks, not its whole length."""
+        holds about window / block_size + 1 blocks, not its whole length. `computed`: the tokens it
+        will have in the cache when the next call starts (an overlapped call), else num_computed."""
         if self.sliding_window is None:
             return
-        skipped = max(0, seq.num_computed - self.sliding_window + 1) // self.block_size
+        computed = seq.num_computed if computed is None else computed
+        skipped = max(0, computed - self.sliding_window + 1) // self.block_size
         if skipped > self.kv_manager.num_skipped(seq.slot):
             self.kv_manager.remove_skipped(seq.slot, skipped)
 

@@ -309,7 +309,8 @@ class LLMEngine:
 
     @property
     def block_pool(self):
-        """The block pool (host arrays; its one owner is the scheduler's KV-cache manager)."""
+        """The block pool (host numpy arrays, updated in place: copy what you keep; its one owner is
+        the scheduler's KV-cache manager)."""
         return self.scheduler.kv_manager.pool
 
     def reset_prefix_cache(self) -> bool:

@@ -89,8 +89,10 @@ def test_tile_tables_cover_every_dtype_and_head_dim_on_each_target():
             for head_dim in (1, 16, 64, 80, 128, 200, 256):
                 assert decode_tiles(dtype, head_dim, arch)["block_n"] >= 16
                 assert ragged_tiles(dtype, head_dim, arch)["block_m"] >= 16
-    # another GPU takes the row of the newest listed arch not newer than it
-    assert DECODE_TILES["sm_80"] is DECODE_TILES["sm_90"]
+    # sm_80 has its own head_dim 96 row (sm_90's spilled there); another GPU takes the row of the
+    # newest listed arch not newer than it
+    assert {k: v for k, v in DECODE_TILES["sm_80"].items() if k[1] != 96} == \
+        {k: v for k, v in DECODE_TILES["sm_90"].items() if k[1] != 96}
     assert decode_tiles(jnp.float32, 128, "sm_100") == dict(block_n=32, num_warps=8, num_stages=2)
     assert ragged_tiles(jnp.bfloat16, 64, "sm_75") == dict(block_m=64, block_n=64, num_warps=8,
                                                           num_stages=2)  # sm_80's row
