@@ -159,10 +159,11 @@ class Scheduler:
         -> whether every row that can still run got at least one step."""
         kv = self.kv_manager
         ends = [self._lookahead_len(seq, c, o) for seq, c, o in zip(seqs, computed, num_output)]
-        have = [kv.num_blocks_of(seq.slot) for seq in seqs]
+        mapped = [kv.num_mapped(seq.slot) for seq in seqs]
+        have = [self._blocks(m) for m in mapped]
 
         def targets(steps):
-            return [max(min(c + steps, end), kv.num_mapped(seq.slot)) for seq, c, end in zip(seqs, computed, ends)]
+            return [max(min(c + steps, end), m) for c, end, m in zip(computed, ends, mapped)]
 
         def need(steps):
             return sum(max(0, self._blocks(t) - h) for t, h in zip(targets(steps), have))
@@ -324,10 +325,9 @@ class Scheduler:
     def _set_tables(self, plan: Plan) -> None:
         """What the device reads of the pool: the rows' tables, as wide as the most blocks one maps,
         and their mapped token slots (a decode row stops there)."""
-        slots = [s.slot for s, _ in plan.scheduled] + [c.slot for c, _ in plan.forks]  # -1: finished
-        width = max([self.kv_manager.num_blocks_of(s) for s in slots if s >= 0] + [1])
-        plan.block_tables = self.kv_manager.tables(slots, width)
-        plan.num_mapped = np.array([self.kv_manager.num_mapped(s) if s >= 0 else 0 for s in slots], np.int32)
+        slots = np.array([s.slot for s, _ in plan.scheduled] + [c.slot for c, _ in plan.forks], np.int32)
+        plan.num_mapped = np.where(slots >= 0, self.kv_manager.pool.seq_lens[slots], 0).astype(np.int32)  # -1: finished
+        plan.block_tables = self.kv_manager.tables(slots, max(self._blocks(int(plan.num_mapped.max(initial=0))), 1))
 
     def _tier_copies(self, evicted: list[int]) -> list[tuple[int, int]]:
         """The host tier keeps the cached blocks a hand-out evicts: each is copied to a host block
