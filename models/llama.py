@@ -3,7 +3,7 @@ Qwen2 and Qwen3 are the same blocks plus q/k/v biases or per-head q/k norms, Mis
 window (`ARCHITECTURES`); Gemma 2 (models/gemma2.py) subclasses the config and the model.
 
 One forward serves prefill, chunked prefill and decode: a ragged batch of tokens, each layer writes
-its new K/V at `md.slot_mapping` and attends through `paged_jax.worker.attention.attend`. The KV cache is an
+its new K/V at `md.slot_mapping` and attends through `paged_jax.attention.attend`. The KV cache is an
 argument and a return value, never an `nnx.Variable`, so the engine can donate it. Layers are stacked
 on a leading axis and run under `jax.lax.scan`, so compile time does not grow with depth.
 
@@ -25,7 +25,7 @@ from flax import nnx
 
 from models.layers import causal_attention, gated_mlp, rms_norm, scan_layers, self_attention
 from pallas_kernels.quantization import storage_dtype
-from paged_jax.worker.attention import AttentionMetadata, KVCache, attend
+from paged_jax.attention import AttentionMetadata, KVCache, attend
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 # Hugging Face's dtype names for what we compute in; float16 runs as bfloat16 (same bytes, JAX's
@@ -375,7 +375,7 @@ class Llama(nnx.Module):
     def init_cache(self, num_blocks: int, block_size: int, *, layout: str = "paged",
                    kv_cache_dtype: str = "auto") -> KVCache:
         """An empty cache: `num_blocks` pool blocks per layer, in the layout the attention backend
-        reads (`paged_jax.worker.attention.cache_layout(backend)`), in the model's dtype
+        reads (`paged_jax.attention.cache_layout(backend)`), in the model's dtype
         (`kv_cache_dtype` "auto") or quantized ("int8", "fp8_e4m3")."""
         c = self.config
         return KVCache.create(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from paged_jax import LLM, SamplingParams
 from paged_jax.entrypoints.llm import load_model
-from paged_jax.worker.attention import bytes_per_block
+from paged_jax.attention import bytes_per_block
 from pallas_kernels.quantization import KV_CACHE_DTYPES, storage_dtype
 from scripts import benchlib, fetch_model
 

@@ -7,7 +7,7 @@ import enum
 
 import numpy as np
 
-from paged_jax.engine.sampling_params import SamplingParams
+from paged_jax.sampling_params import SamplingParams
 
 
 class Status(enum.IntEnum):

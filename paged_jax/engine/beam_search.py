@@ -32,7 +32,7 @@ import numpy as np
 from paged_jax.core.scheduler import Plan
 from paged_jax.core.sequence import Request, Sequence, Status
 from paged_jax.engine.outputs import Logprob
-from paged_jax.engine.sampling_params import BeamSearchParams, SamplingParams
+from paged_jax.sampling_params import BeamSearchParams, SamplingParams
 
 BEAM_KEYS = 1 << 30  # SeedSequence spawn keys of beam searches (requests' unseeded keys use 1 << 31)
 

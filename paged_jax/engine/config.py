@@ -6,7 +6,7 @@ import sys
 
 import jax
 
-from paged_jax.worker import attention
+from paged_jax import attention
 
 # On CPU there are no device memory stats to read: the KV cache gets this many bytes.
 CPU_KV_CACHE_BYTES = 256 * 2**20

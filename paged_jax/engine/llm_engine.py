@@ -21,9 +21,9 @@ from paged_jax.core.sequence import Request, Sequence, Status
 from paged_jax.engine import config as config_lib
 from paged_jax.engine.output_processor import OutputProcessor
 from paged_jax.engine.outputs import RequestOutput
-from paged_jax.engine.sampling_params import RequestOutputKind, SamplingParams
+from paged_jax.sampling_params import RequestOutputKind, SamplingParams
 from paged_jax.worker import model_runner, sharding
-from paged_jax.worker.attention import check_kv_cache_dtype, resolve_backend
+from paged_jax.attention import check_kv_cache_dtype, resolve_backend
 
 
 class LLMEngine:

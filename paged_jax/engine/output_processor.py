@@ -7,7 +7,7 @@ import numpy as np
 from paged_jax.core.sequence import Request, Sequence, Status
 from paged_jax.engine.detokenizer import decode_next, find_stop
 from paged_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from paged_jax.engine.sampling_params import RequestOutputKind
+from paged_jax.sampling_params import RequestOutputKind
 
 
 class OutputProcessor:

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable
 
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.outputs import RequestOutput
-from paged_jax.engine.sampling_params import RequestOutputKind, SamplingParams
+from paged_jax.sampling_params import RequestOutputKind, SamplingParams
 from paged_jax.entrypoints.step_broadcast import StepSender
 
 

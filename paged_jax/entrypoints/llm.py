@@ -10,7 +10,7 @@ from pathlib import Path
 from paged_jax.engine.beam_search import BeamSearchOutput, beam_search
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.outputs import RequestOutput
-from paged_jax.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from paged_jax.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from paged_jax.worker.sharding import AXIS, make_mesh
 
 # config.json's model_type -> the module that loads it, imported only when used (as vLLM's registry

@@ -22,7 +22,7 @@ import json
 import struct
 
 from paged_jax.engine.llm_engine import LLMEngine
-from paged_jax.engine.sampling_params import RequestOutputKind, SamplingParams
+from paged_jax.sampling_params import RequestOutputKind, SamplingParams
 from paged_jax.worker import distributed, handshake
 
 _LENGTH = struct.Struct("!I")

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from paged_jax.worker import batching, runner
-from paged_jax.worker.attention import cache_layout
+from paged_jax.attention import cache_layout
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax.engine.sampling_params import SAMPLING_EPS, SamplingParams
+from paged_jax.sampling_params import SAMPLING_EPS, SamplingParams
 
 NEG_INF = float("-inf")
 

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from paged_jax import LLM, SamplingParams
 from paged_jax.core import block_pool as bp
 from paged_jax.worker import sharding
-from paged_jax.worker.attention import AttentionMetadata
+from paged_jax.attention import AttentionMetadata
 from pallas_kernels import targets
 from tests.models.model_testing import GEMMA2, MISTRAL_WINDOW, max_rel_err, random_model, tiny_config
 

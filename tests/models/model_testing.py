@@ -10,7 +10,7 @@ from flax import nnx
 
 from models.checkpoint import MODEL_REGISTRY
 from models.llama import PRESETS, Llama, LlamaConfig, forward
-from paged_jax.worker.attention import AttentionMetadata
+from paged_jax.attention import AttentionMetadata
 
 LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                       original_max_position_embeddings=64)

@@ -13,7 +13,7 @@ from model_testing import GEMMA2, dense_logits, random_model, tiny_config
 from models import load_model, save_orbax
 from models.gemma2 import Gemma2, Gemma2Config
 from models.layers import window_period
-from paged_jax.worker.attention import AttentionMetadata
+from paged_jax.attention import AttentionMetadata
 
 # google/gemma-2-9b-it's config.json (transformers 4.42), as published.
 GEMMA_2_9B_IT = {

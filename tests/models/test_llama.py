@@ -10,7 +10,7 @@ from flax import nnx
 
 from model_testing import GEMMA2, LLAMA3_SCALING, MISTRAL_WINDOW, dense_logits, max_rel_err, random_model, tiny_config
 from models.llama import Llama, LlamaConfig, PRESETS, forward, preset, rope_inv_freq
-from paged_jax.worker.attention import AttentionMetadata
+from paged_jax.attention import AttentionMetadata
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from paged_jax.engine.sampling_params import SamplingParams
+from paged_jax.sampling_params import SamplingParams
 from paged_jax.entrypoints.async_llm import AsyncLLM, EngineBusyError, EngineDeadError
 from tests.paged_jax.test_serve_distributed import Recorder
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.worker.attention import (AttentionMetadata, KVCache, attend, bytes_per_block, cache_layout,
+from paged_jax.attention import (AttentionMetadata, KVCache, attend, bytes_per_block, cache_layout,
                                         copy_blocks, resolve_backend)
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, NUM_HEADS, HEAD_DIM = 2, 8, 4, 2, 4, 16

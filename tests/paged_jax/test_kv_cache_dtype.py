@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from paged_jax import LLM, SamplingParams
-from paged_jax.worker.attention import KVCache, check_kv_cache_dtype
+from paged_jax.attention import KVCache, check_kv_cache_dtype
 from scripts.benchlib import forced_agreement
 from scripts.kv_dtype_section import PROMPTS
 from tests.paged_jax.test_real_checkpoint import MODEL

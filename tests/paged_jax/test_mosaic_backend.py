@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import mosaic, targets
-from paged_jax.worker.attention import check_kv_cache_dtype, resolve_backend
+from paged_jax.attention import check_kv_cache_dtype, resolve_backend
 
 MOSAIC = "pallas_mosaic" if mosaic.AVAILABLE else "pallas"
 LLAMA = dict(dtype=jnp.bfloat16, head_dim=128, block_size=16)

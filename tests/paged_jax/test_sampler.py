@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.engine.sampling_params import SamplingParams
+from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker import sampler
 
 VOCAB = 12

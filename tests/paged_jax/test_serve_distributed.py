@@ -25,7 +25,7 @@ pytest.importorskip("uvicorn")
 
 from paged_jax import SamplingParams  # noqa: E402
 from paged_jax.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from paged_jax.engine.sampling_params import RequestOutputKind  # noqa: E402
+from paged_jax.sampling_params import RequestOutputKind  # noqa: E402
 from paged_jax.entrypoints import step_broadcast  # noqa: E402
 from paged_jax.entrypoints.async_llm import AsyncLLM  # noqa: E402
 from paged_jax.entrypoints.openai import api_server  # noqa: E402

@@ -9,7 +9,7 @@ from paged_jax.core import block_pool as bp
 from paged_jax.core.host_pool import HostBlockPool
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.worker import swap
-from paged_jax.worker.attention import KVCache
+from paged_jax.attention import KVCache
 
 
 def test_host_pool_hands_out_lowest_ids_and_swaps_a_shared_block_once():

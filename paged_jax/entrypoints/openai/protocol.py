@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from paged_jax.engine.sampling_params import SamplingParams
+from paged_jax.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
