@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -21,8 +22,9 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 from jax import monitoring  # noqa: E402
 
 from paged_jax import LLM, SamplingParams, compilation_cache  # noqa: E402
+from paged_jax.engine.arg_utils import EngineArgs  # noqa: E402
+from paged_jax.entrypoints import cli_args  # noqa: E402
 from paged_jax.entrypoints.llm import load_model  # noqa: E402
-from paged_jax.worker import distributed  # noqa: E402
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "embedded"
 PROMPTS = ("def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self):\n",
@@ -61,9 +63,7 @@ def compile_timer():
 
 
 def fail(message: str):
-    """One line on stderr and exit status 2 (argparse's for bad usage): no traceback for a bad input."""
-    print(f"generate.py: error: {message}", file=sys.stderr)
-    distributed.exit_after_error(2)
+    cli_args.fail("generate.py", message)
 
 
 def load(args):
@@ -119,31 +119,31 @@ def header(i, j, num_prompts, n):
     return f"\n=== prompt {i + 1}/{num_prompts}" + (f", sample {j + 1}/{n}" if n > 1 else "") + " ===\n"
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint directory or GGUF file (default: the embedded model)")
     ap.add_argument("--prompt", action="append", help="a prompt (repeatable); default: built-in Python prompts")
     ap.add_argument("--prompts-file", help="a file of prompts, one per line")
     for flag, kind, default in (("--max-tokens", int, 96), ("--temperature", float, 0.7), ("--top-p", float, 0.95),
-                                ("--top-k", int, 0), ("--seed", int, 0), ("--n", int, 1), ("--block-size", int, 16),
-                                ("--num-blocks", int, None), ("--max-num-seqs", int, None),
-                                ("--tensor-parallel-size", int, 1)):
-        ap.add_argument(flag, type=kind, default=default,
-                        help=f"default: {'sized by the engine' if default is None else default}")
-    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: the checkpoint's")
+                                ("--top-k", int, 0), ("--n", int, 1)):
+        ap.add_argument(flag, type=kind, default=default, help=f"default: {default}")
     ap.add_argument("--stream", action="store_true", help="print tokens as they are generated")
-    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                    help="plan the next decode call while the device runs this one (default: on)")
     ap.add_argument("--chat", action="store_true",
                     help="send each prompt as a user message through the model's chat template")
     ap.add_argument("--compilation-cache-dir", metavar="DIR",
                     help=f"jax's persistent compilation cache (default: {compilation_cache.default_cache_dir()})")
     ap.add_argument("--no-compilation-cache", action="store_true", help="compile everything afresh, cache nothing")
-    distributed.add_cli_flags(ap)
     ap.add_argument("--print-all-processes", action="store_true", help="every process prints (default: process 0)")
-    args = ap.parse_args(argv)
+    EngineArgs.add_cli_args(ap)
+    cli_args.add_distributed_args(ap)
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     try:
-        distributed.initialize_from_args(args)  # before anything touches a device
+        engine_args = EngineArgs.from_cli_args(args, log_stats=args.process_id == 0 or args.print_all_processes)
+        cli_args.initialize_distributed(args)  # before anything touches a device
         if not args.no_compilation_cache:  # before anything compiles: jax opens the cache once
             compilation_cache.enable(args.compilation_cache_dir)
         prompts = read_prompts(args)
@@ -151,9 +151,7 @@ def main(argv=None):
                                 max_tokens=args.max_tokens)
         model, tokenizer = load(args)
         inputs = chat_inputs(tokenizer, prompts) if args.chat else prompts
-        llm = LLM(model, tokenizer=tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
-                  max_num_seqs=args.max_num_seqs, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
-                  async_scheduling=args.async_scheduling, log_stats=args.process_id == 0 or args.print_all_processes)
+        llm = LLM(model, tokenizer=tokenizer, **dataclasses.asdict(engine_args))
     except (OSError, ValueError, ImportError) as e:  # ImportError: --chat without jinja2
         fail(str(e))
     # Every process runs the same generation (each step is one program across all of them); one prints.

@@ -282,6 +282,9 @@ class Scheduler:
             plan.scheduled.append((seq, n))
             self.running.append(seq)
 
+        if not plan.scheduled and self.waiting:  # nothing runs and nothing will free a block
+            stuck = self.waiting[0].request.request_id
+            raise RuntimeError(f"internal error: nothing can run, request {stuck!r} waits forever")
         plan.num_waiting = len(self.waiting)
         plan.is_decode = bool(plan.scheduled) and not (plan.admitted or plan.forks or plan.preempted) and all(
             n == 1 and seq.num_tokens - seq.num_computed == 1 for seq, n in plan.scheduled)
@@ -371,6 +374,18 @@ class Scheduler:
         if self.host_tier:
             self.host_pool.reset_tier()
         return True
+
+    def stats(self) -> dict:
+        """The pool's, the prefix cache's and the queues' numbers (LLMEngine.stats reports them)."""
+        used, usable, cache = self.num_blocks - 1 - self.num_free, self.num_blocks - 1, self.prefix_cache
+        return dict(kv_cache_usage=used / usable, num_blocks_used=used,
+                    prefix_cache_queries=cache.queries, prefix_cache_hits=cache.hits,
+                    prefix_cache_hit_rate=cache.hits / max(cache.queries, 1),
+                    num_preemptions=self.num_preemptions, num_swap_preemptions=self.num_swap_preemptions,
+                    num_swap_fallbacks=self.num_swap_fallbacks, num_recomputed_tokens=self.num_recomputed_tokens,
+                    host_kv_usage=self.host_pool.usage() if self.host_pool else 0.0,
+                    host_prefix_cache_hits=self.num_tier_hit_tokens,
+                    num_requests_running=len(self.running), num_requests_waiting=len(self.waiting))
 
     def reset_counters(self) -> None:
         self.prefix_cache.queries = self.prefix_cache.hits = 0

@@ -47,12 +47,6 @@ class EngineConfig:
                 + ("" if self.kv_cache_dtype == "auto" else f"; kv_cache_dtype {self.kv_cache_dtype}"))
 
 
-def _check_positive(**values):
-    for name, value in values.items():
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
 def kv_budget_bytes(*, gpu_memory_utilization=None, kv_cache_memory_fraction=None, activation_bytes=None,
                     memory_stats=None) -> int:
     """Bytes for the KV cache.
@@ -99,28 +93,11 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
     "fp8_e4m3", whose per-token scales count in each block's bytes). `memory_stats`: the device's
     (`bytes_limit`, `bytes_in_use`) when it is not the local one (a compile-only GPU); None reads them
     from the local device."""
-    _check_positive(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                    num_decode_steps=num_decode_steps)
-    if preemption_mode not in PREEMPTION_MODES:
-        raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
-    if isinstance(swap_space, bool) or not isinstance(swap_space, (int, float)) or not swap_space >= 0:
-        raise ValueError(f"swap_space must be a number of GiB >= 0, got {swap_space!r}")
+    # The values alone were checked by EngineArgs; what follows depends on the model and the mesh.
     if preemption_mode == "swap" and kv_shards > 1:
         raise ValueError(f"preemption_mode='swap' with tensor parallelism ({kv_shards} shards) is not built")
-    if enable_host_prefix_cache not in (True, False):
-        raise ValueError(f"enable_host_prefix_cache must be True or False, got {enable_host_prefix_cache!r}")
-    if enable_host_prefix_cache:
-        if not enable_prefix_caching:
-            raise ValueError("enable_host_prefix_cache=True needs enable_prefix_caching=True (it keeps the "
-                             "prefix cache's evicted blocks)")
-        if not swap_space > 0:
-            raise ValueError(f"enable_host_prefix_cache=True needs swap_space > 0 GiB to hold its blocks, "
-                             f"got swap_space={swap_space!r}")
-        if kv_shards > 1:
-            raise ValueError(f"enable_host_prefix_cache with tensor parallelism ({kv_shards} shards) is not built")
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if enable_host_prefix_cache and kv_shards > 1:
+        raise ValueError(f"enable_host_prefix_cache with tensor parallelism ({kv_shards} shards) is not built")
     on_cpu = jax.default_backend() == "cpu"
     max_num_seqs = max_num_seqs or (16 if on_cpu else 256)
     max_num_batched_tokens = max_num_batched_tokens or (512 if on_cpu else 8192)

@@ -7,11 +7,9 @@ into text and `RequestOutput`s.
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import time
 
-import jax
 import numpy as np
 
 from paged_jax.core.host_pool import HostBlockPool
@@ -19,56 +17,36 @@ from paged_jax.core.prefix_cache import PrefixCache
 from paged_jax.core.scheduler import Scheduler
 from paged_jax.core.sequence import Request, Sequence, Status
 from paged_jax.engine import config as config_lib
+from paged_jax.engine import warm_up
+from paged_jax.engine.arg_utils import EngineArgs
 from paged_jax.engine.output_processor import OutputProcessor
 from paged_jax.engine.outputs import RequestOutput
 from paged_jax.sampling_params import RequestOutputKind, SamplingParams
 from paged_jax.worker import model_runner, sharding
-from paged_jax.attention import check_kv_cache_dtype, resolve_backend
 
 
 class LLMEngine:
-    def __init__(self, model, tokenizer=None, *, block_size=16, num_blocks=None,
-                 gpu_memory_utilization=None, kv_cache_memory_fraction=None, max_num_seqs=None,
-                 max_num_batched_tokens=None,
-                 max_model_len=None, num_decode_steps=8, long_prefill_token_threshold=0,
-                 enable_prefix_caching=True, attention_backend="auto", seed=0, mesh=None, log_stats=True,
-                 kv_cache_dtype="auto", preemption_mode="recompute", swap_space=4, enable_host_prefix_cache=False,
-                 async_scheduling=True):
-        """`mesh`: a jax Mesh with a "model" axis for tensor parallelism (paged_jax.worker.sharding).
-        `kv_cache_dtype`: "auto" (the model's dtype), "int8" or "fp8_e4m3" (quantized pages).
-        `preemption_mode`: "recompute" (vLLM V1) drops a preempted request's blocks; "swap" (vLLM V0,
-        the paper's section 4.5) copies them to `swap_space` GiB of host memory and back when it
-        resumes, recomputing only when the host pool is full. `enable_host_prefix_cache`: the
-        prefix cache's blocks that the device evicts are kept in that host memory too (least
-        recently used first out), and a prefix hit on one copies it back instead of computing it.
-        `async_scheduling` (vLLM's name): while the device runs a decode call, the host plans and
-        dispatches the next one and then processes the first's output, so the device does not wait
-        on the host; outputs are the serial engine's (False: each call is planned after the one
-        before is processed)."""
+    def __init__(self, model, tokenizer=None, *, mesh=None, engine_args: EngineArgs | None = None, **kwargs):
+        """`kwargs`, or `engine_args`: EngineArgs' fields (engine/arg_utils.py: names, defaults,
+        checks). `mesh`: a jax Mesh with a "model" axis for tensor parallelism
+        (paged_jax.worker.sharding); without one, tensor_parallel_size > 1 makes one.
+        `preemption_mode` "recompute" (vLLM V1) drops a preempted request's blocks; "swap" (vLLM V0,
+        the paper's section 4.5) copies them to `swap_space` GiB of host memory and back, recomputing
+        only when the host pool is full. `async_scheduling` (vLLM's name): while the device runs a
+        decode call, the host plans and dispatches the next one, then processes the first's output;
+        outputs are the serial engine's (False: each call is planned after the one before is processed)."""
+        if engine_args is not None and kwargs:
+            raise ValueError(f"pass engine_args or keyword arguments, not both (got {sorted(kwargs)})")
+        args = self.engine_args = engine_args or EngineArgs(**kwargs)
+        mesh = args.create_mesh(mesh)
         if mesh is not None:
             model = sharding.shard_model(model, mesh)
+        self.config = args.create_engine_config(model, mesh)
         self.mesh = mesh
         self.model_config = model.config
         self.tokenizer = tokenizer
         self.output_processor = OutputProcessor(tokenizer)
-        window = getattr(model.config, "kv_window", None)  # shared by every layer: blocks behind it are freed
-        backend = resolve_backend(attention_backend, dtype=model.config.dtype, head_dim=model.config.head_dim,
-                                  block_size=block_size, kv_cache_dtype=kv_cache_dtype)
-        kv_dtype = check_kv_cache_dtype(kv_cache_dtype, backend, model.config.dtype)
-        self.config = config_lib.resolve(
-            model.config, block_size=block_size, num_blocks=num_blocks,
-            gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_fraction=kv_cache_memory_fraction,
-            activation_bytes=functools.partial(model_runner.activation_bytes, model, backend=backend,
-                                               block_size=block_size, kv_cache_dtype=kv_cache_dtype),
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            num_decode_steps=num_decode_steps, long_prefill_token_threshold=long_prefill_token_threshold,
-            enable_prefix_caching=enable_prefix_caching,
-            attention_backend=backend, kv_dtype=kv_dtype,
-            kv_shards=sharding.tensor_parallel_size(mesh), sliding_window=window,
-            kv_cache_dtype=kv_cache_dtype, preemption_mode=preemption_mode, swap_space=swap_space,
-            enable_host_prefix_cache=enable_host_prefix_cache)
-        if log_stats:
+        if args.log_stats:
             config_lib.announce(self.config)
         c = self.config
         eos = (tokenizer.eos_token_ids if tokenizer is not None else
@@ -80,16 +58,21 @@ class LLMEngine:
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             block_size=c.block_size, num_blocks=c.num_blocks, max_blocks_per_seq=c.max_blocks_per_seq,
             long_prefill_token_threshold=c.long_prefill_token_threshold, prefix_cache=self.prefix_cache,
-            sliding_window=window,
+            sliding_window=getattr(model.config, "kv_window", None),
             host_pool=HostBlockPool(self.model_runner.num_host_blocks) if c.uses_host_memory else None,
             swap_preemption=c.preemption_mode == "swap", host_tier=c.enable_host_prefix_cache,
             num_decode_steps=c.num_decode_steps)
-        self.async_scheduling = bool(async_scheduling)
+        self.async_scheduling = args.async_scheduling
         self._in_flight: model_runner.Call | None = None  # a decode call dispatched, not yet processed
         self.requests: dict[str, Request] = {}
         self._finished_outside_step: set[str] = set()  # rejected or aborted: reported by the next step
-        self.seed = seed
+        self.seed = args.seed
         self._reset_counters()
+
+    @classmethod
+    def from_engine_args(cls, model, tokenizer, engine_args: EngineArgs, mesh=None) -> LLMEngine:
+        """vLLM's constructor from an EngineArgs (a command line's: EngineArgs.from_cli_args)."""
+        return cls(model, tokenizer, mesh=mesh, engine_args=engine_args)
 
     def _reset_counters(self) -> None:
         self._request_counter = itertools.count()  # arrival indices seed unseeded requests
@@ -197,9 +180,6 @@ class LLMEngine:
                 self._in_flight = self.model_runner.dispatch(after, prev=call)
         elif self.scheduler.has_work:
             plan = self.scheduler.schedule()
-            if not plan.scheduled:
-                stuck = self.scheduler.waiting[0].request.request_id
-                raise RuntimeError(f"internal error: nothing can run, request {stuck!r} waits forever")
             self._count_plan(plan)
             call = self.model_runner.dispatch(plan)
             if plan.is_decode and self.async_scheduling:  # processed next step, the next call running
@@ -253,54 +233,15 @@ class LLMEngine:
         k["max_num_running"] = max(k["max_num_running"], running if steps else 0)
 
     def warm_up(self, prompt_len: int = 32) -> dict:
-        """Compile before traffic comes, as vLLM captures its CUDA graphs at start. Through the
-        engine itself: for every row bucket r up to max_num_seqs, r requests at once whose prompts
-        fill each token bucket up to r x `prompt_len` (the prefill steps, sampled and greedy alike),
-        then r greedy ones (the greedy decode loop), each running two decode calls; the pool
-        operations come with them. Programs already in the persistent compilation cache are read
-        from it. Longer sequences compile their wider tables when they first need them. The engine
-        is left as it was: every block free, no prefix-cache entry, counters at zero
-        -> {"programs": compiled or loaded, "cached": of those, loaded, "seconds": wall clock}."""
-        c = self.config
-        if self.requests or self.scheduler.has_work:
-            raise ValueError(f"warm_up needs an idle engine; {len(self.requests)} requests are in it")
-        room = c.max_model_len - 2 * c.num_decode_steps - 1
-        if not 1 <= prompt_len <= room:
-            raise ValueError(f"prompt_len={prompt_len} must be in [1, {room}] (max_model_len="
-                             f"{c.max_model_len} leaves room for two decode calls)")
-        events, rng, start = [], np.random.default_rng(0), time.perf_counter()
+        """Compile before traffic comes (engine/warm_up.py) and leave the engine as it was ->
+        {"programs": compiled or loaded, "cached": of those, loaded, "seconds": wall clock}."""
+        return warm_up.warm_up(self, prompt_len)
 
-        def listen(event, duration, **kwargs):
-            events.append(event)
-
-        def run(num_requests, length, temperature):
-            params = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=2 * c.num_decode_steps + 1)
-            for i in range(num_requests):
-                prompt = rng.integers(0, self.model_config.vocab_size, length).tolist()
-                self.add_request(f"warm-up-{next(self._request_counter)}", prompt, params)
-            while self.has_unfinished_requests():
-                self.step()
-
-        rows = sorted({min(1 << i, c.max_num_seqs) for i in range(c.max_num_seqs.bit_length() + 1)})
-        jax.monitoring.register_event_duration_secs_listener(listen)
-        try:
-            for r in rows:
-                tokens = 1 << max(4, (r - 1).bit_length())  # batching.MIN_TOKEN_BUCKET, or r rounded up
-                while True:  # every token bucket up to the one holding r x prompt_len
-                    run(r, min(tokens // r, room), 1.0)
-                    if tokens >= min(r * prompt_len, c.max_num_batched_tokens):
-                        break
-                    tokens *= 2
-                run(r, min(prompt_len, room), 0.0)
-        finally:
-            jax.monitoring.unregister_event_duration_listener(listen)
-        self.reset_prefix_cache()
+    def reset_counters(self) -> None:
+        """Every counter of the engine, its scheduler and its runner back to zero."""
         self.scheduler.reset_counters()
         self.model_runner.reset_counters()
         self._reset_counters()
-        return {"programs": events.count("/jax/core/compile/backend_compile_duration"),
-                "cached": events.count("/jax/compilation_cache/cache_retrieval_time_sec"),
-                "seconds": time.perf_counter() - start}
 
     @property
     def state(self):
@@ -322,22 +263,11 @@ class LLMEngine:
 
     def stats(self) -> dict:
         c, k = self.config, self.counters
-        running = len(self.scheduler.running)
         busy = max(k["busy_seconds"], 1e-9)
         return dict(
-            kv_cache_usage=1.0 - self.scheduler.num_free / (c.num_blocks - 1),
-            num_blocks=c.num_blocks, block_size=c.block_size, num_blocks_used=c.num_blocks - 1 - self.scheduler.num_free,
-            peak_blocks_used=k["peak_blocks_used"],
-            prefix_cache_queries=self.prefix_cache.queries, prefix_cache_hits=self.prefix_cache.hits,
-            prefix_cache_hit_rate=self.prefix_cache.hits / max(self.prefix_cache.queries, 1),
-            num_preemptions=self.scheduler.num_preemptions,
-            num_swap_preemptions=self.scheduler.num_swap_preemptions,
-            num_swap_fallbacks=self.scheduler.num_swap_fallbacks,
-            num_recomputed_tokens=self.scheduler.num_recomputed_tokens,
-            host_kv_usage=self.scheduler.host_pool.usage() if self.scheduler.host_pool else 0.0,
-            host_prefix_cache_hits=self.scheduler.num_tier_hit_tokens,
+            num_blocks=c.num_blocks, block_size=c.block_size, peak_blocks_used=k["peak_blocks_used"],
+            **self.scheduler.stats(),
             prompt_tokens=k["prompt_tokens"], generation_tokens=k["generation_tokens"],
-            num_requests_running=running, num_requests_waiting=len(self.scheduler.waiting),
             prefill_tokens=k["prefill_tokens"], max_num_running=k["max_num_running"],
             mean_num_running=k["running_steps"] / max(k["model_steps"], 1),
             prefill_steps=k["prefill_steps"], decode_calls=k["decode_calls"], decode_steps=k["decode_steps"],

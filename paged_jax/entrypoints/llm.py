@@ -7,11 +7,11 @@ import itertools
 import json
 from pathlib import Path
 
+from paged_jax.engine.arg_utils import EngineArgs
 from paged_jax.engine.beam_search import BeamSearchOutput, beam_search
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.outputs import RequestOutput
 from paged_jax.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-from paged_jax.worker.sharding import AXIS, make_mesh
 
 # config.json's model_type -> the module that loads it, imported only when used (as vLLM's registry
 # does), so that paged_jax never imports models at module level.
@@ -51,45 +51,21 @@ def _unpack(prompt):
 
 
 class LLM:
-    def __init__(self, model, *, tokenizer=None, block_size=16, num_blocks=None,
-                 gpu_memory_utilization=None, kv_cache_memory_fraction=None, max_num_seqs=None,
-                 max_num_batched_tokens=None,
-                 max_model_len=None, enable_prefix_caching=True, dtype=None, attention_backend="auto",
-                 seed=0, tensor_parallel_size=1, mesh=None, num_decode_steps=8,
-                 long_prefill_token_threshold=0, log_stats=True, kv_cache_dtype="auto",
-                 preemption_mode="recompute", swap_space=4, enable_host_prefix_cache=False,
-                 async_scheduling=True):
+    def __init__(self, model, *, tokenizer=None, mesh=None, **kwargs):
         """`model`: a checkpoint directory (Hugging Face safetensors or a converted Orbax one), a GGUF
         file (dequantized at load) or a model object (e.g. `models.Llama`), with an optional
-        `tokenizer`. Memory, as vLLM's:
-        `gpu_memory_utilization` (default 0.9) is the fraction of the device this engine may use,
-        weights, activation peak and KV together; `kv_cache_memory_fraction`, if given, wins and
-        gives the KV that fraction of what the weights leave (see engine.config.kv_budget_bytes).
-        `kv_cache_dtype` (vLLM's): "auto" keeps the model's dtype; "int8" and "fp8_e4m3" store the
-        pages quantized with a scale per (token, KV head), about half (bf16) or a quarter (f32) of
-        the bytes per block, so more blocks in the same budget.
-        `preemption_mode` "recompute" | "swap", `swap_space` (GiB of host memory),
-        `enable_host_prefix_cache`, `async_scheduling`: see LLMEngine."""
-        if mesh is None and tensor_parallel_size != 1:
-            mesh = make_mesh(tensor_parallel_size)
-        elif mesh is not None and tensor_parallel_size not in (1, mesh.shape.get(AXIS)):
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} disagrees with the mesh's "
-                             f"{AXIS!r} axis of size {mesh.shape.get(AXIS)}")
+        `tokenizer`. `kwargs`: EngineArgs' fields (paged_jax/engine/arg_utils.py), vLLM's names.
+        Memory, as vLLM's: `gpu_memory_utilization` (default 0.9) is the fraction of the device this
+        engine may use, weights, activation peak and KV together; `kv_cache_memory_fraction`, if
+        given, wins and gives the KV that fraction of what the weights leave (engine.config.kv_budget_bytes).
+        `kv_cache_dtype` "int8" and "fp8_e4m3" store the pages quantized with a scale per (token, KV
+        head), about half (bf16) or a quarter (f32) of the bytes per block, so more blocks in the
+        same budget. `mesh`, `preemption_mode`, `async_scheduling`: see LLMEngine."""
+        args = EngineArgs(**kwargs)
         if isinstance(model, (str, Path)):
-            model, found = load_model(model, dtype=dtype)
+            model, found = load_model(model, dtype=args.dtype)
             tokenizer = tokenizer or found
-        elif dtype is not None:
-            raise ValueError("dtype applies when loading a checkpoint; build the model object in the dtype you want")
-        self.engine = LLMEngine(
-            model, tokenizer, block_size=block_size, num_blocks=num_blocks,
-            gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_fraction=kv_cache_memory_fraction,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            num_decode_steps=num_decode_steps, long_prefill_token_threshold=long_prefill_token_threshold,
-            enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend, seed=seed,
-            mesh=mesh, log_stats=log_stats, kv_cache_dtype=kv_cache_dtype, preemption_mode=preemption_mode,
-            swap_space=swap_space, enable_host_prefix_cache=enable_host_prefix_cache,
-            async_scheduling=async_scheduling)
+        self.engine = LLMEngine(model, tokenizer, mesh=mesh, engine_args=args)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

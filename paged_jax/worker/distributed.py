@@ -156,21 +156,3 @@ def exit_after_error(status: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
-
-
-def add_cli_flags(ap) -> None:
-    """The multi-process flags scripts share (generate.py, the server)."""
-    ap.add_argument("--coordinator", metavar="HOST:PORT",
-                    help="process 0's address for jax.distributed (all processes pass the same)")
-    ap.add_argument("--num-processes", type=int, default=1, help="processes in the job (default: 1)")
-    ap.add_argument("--process-id", type=int, default=0, help="this process's index, 0 to num-processes - 1")
-    ap.add_argument("--distributed-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                    help=f"how long to wait for peers to start, and for a dead one (default: {DEFAULT_TIMEOUT_S})")
-
-
-def initialize_from_args(args) -> LivenessChannel | None:
-    """`initialize` from `add_cli_flags`' flags; a missing coordinator with several processes is named."""
-    if args.num_processes != 1 and args.coordinator is None:
-        raise ValueError(f"--num-processes {args.num_processes} needs --coordinator HOST:PORT")
-    return initialize(args.coordinator or "127.0.0.1:1", args.num_processes, args.process_id,
-                      timeout_s=args.distributed_timeout)

@@ -368,7 +368,7 @@ def test_an_error_inside_a_stream_is_an_error_chunk_then_done():
     from paged_jax.engine.outputs import CompletionOutput, RequestOutput
     from paged_jax.entrypoints.async_llm import EngineDeadError
     from paged_jax.entrypoints.openai.protocol import Options
-    from paged_jax.entrypoints.openai.serving import _Response
+    from paged_jax.entrypoints.openai.response import ChoicesResponse
 
     class Serving:
         tokenizer, model_name = None, "m"
@@ -380,7 +380,7 @@ def test_an_error_inside_a_stream_is_an_error_chunk_then_done():
     async def collect():
         options = Options(model=None, stream=True, include_usage=True, logprobs=None, prompt_logprobs=None,
                           echo=False, cache_salt=None)
-        response = _Response(Serving(), "cmpl-1", False, 1, [[1, 2]], options, token_ids_as_tokens=False)
+        response = ChoicesResponse(Serving(), "cmpl-1", False, 1, [[1, 2]], options, token_ids_as_tokens=False)
         return [line async for line in response.events(outputs())]
 
     lines = asyncio.run(collect())
@@ -398,14 +398,14 @@ def test_an_error_inside_a_stream_is_an_error_chunk_then_done():
 def test_engine_flags_reach_the_engine_and_a_bad_one_is_one_line_and_exit_2(flags, named, capsys, monkeypatch):
     import uvicorn
 
-    from paged_jax.entrypoints.openai import api_server
+    from paged_jax.entrypoints.openai import cli
 
     def run(*args, **kwargs):
         raise AssertionError(f"the server started: {flags} did not reach the engine")
 
     monkeypatch.setattr(uvicorn, "run", run)
     with pytest.raises(SystemExit) as e:
-        api_server.main([*flags, "--no-compilation-cache", "--warmup-prompt-len", "0", "--port", str(free_port())])
+        cli.main([*flags, "--no-compilation-cache", "--warmup-prompt-len", "0", "--port", str(free_port())])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1
     assert err[0].startswith("paged-jax-serve: error: ") and named in err[0]

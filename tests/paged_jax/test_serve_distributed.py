@@ -28,7 +28,7 @@ from paged_jax.engine.outputs import CompletionOutput, RequestOutput  # noqa: E4
 from paged_jax.sampling_params import RequestOutputKind  # noqa: E402
 from paged_jax.entrypoints import step_broadcast  # noqa: E402
 from paged_jax.entrypoints.async_llm import AsyncLLM  # noqa: E402
-from paged_jax.entrypoints.openai import api_server  # noqa: E402
+from paged_jax.entrypoints.openai import cli  # noqa: E402
 from paged_jax.worker import distributed  # noqa: E402
 from tests.paged_jax import distributed_worker as worker  # noqa: E402
 from tests.ports import free_port  # noqa: E402
@@ -158,7 +158,7 @@ def test_a_bad_engine_flag_on_one_process_is_one_line_and_exit_2_and_its_peer_st
      "process_id must be in [0, 2) for num_processes=2, got 2")])
 def test_bad_process_flags_are_one_line_and_exit_2_before_any_collective(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        api_server.main([*argv, "--no-compilation-cache", "--port", str(free_port())])
+        cli.main([*argv, "--no-compilation-cache", "--port", str(free_port())])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == f"paged-jax-serve: error: {message}\n"
 

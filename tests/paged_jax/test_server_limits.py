@@ -153,19 +153,19 @@ def test_clients_that_leave_mid_upload_log_no_traceback(server, greedy_text):
 
 
 def test_a_port_out_of_range_or_in_use_is_refused_before_the_model_loads(capsys, monkeypatch):
-    from paged_jax.entrypoints.openai import api_server
+    from paged_jax.entrypoints.openai import cli
 
     def no_build(*args):
         raise AssertionError("the model was loaded before the port was checked")
 
-    monkeypatch.setattr(api_server, "_build", no_build)
+    monkeypatch.setattr(cli, "_build", no_build)
     with pytest.raises(SystemExit) as e:
-        api_server.main(["--port", "99999"])
+        cli.main(["--port", "99999"])
     assert e.value.code == 2 and "a port is in [1, 65535], got 99999" in capsys.readouterr().err
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         with pytest.raises(SystemExit) as e:
-            api_server.main(["--port", str(port)])
+            cli.main(["--port", str(port)])
     assert e.value.code == 2
     assert capsys.readouterr().err.startswith(f"paged-jax-serve: error: cannot listen on 127.0.0.1:{port}: ")
 

@@ -166,3 +166,12 @@ def read_messages(body: dict) -> list[dict]:
             raise APIError(f"messages[{i}].content must be a string or a list of text parts", param="messages")
         out.append({**message, "content": content})
     return out
+
+
+def busy(message: str) -> APIError:
+    """vLLM's 503 when the engine cannot take more now (the handler adds Retry-After)."""
+    return APIError(message, status=503, type="ServiceUnavailableError")
+
+
+def engine_dead(e: Exception) -> APIError:
+    return APIError(str(e), status=500, type="InternalServerError")
