@@ -11,12 +11,23 @@ from __future__ import annotations
 import numpy as np
 
 from paged_jax.core import block_pool as bp
+from paged_jax.core.host_memory import HostMemory
+from paged_jax.core.prefix_cache import PrefixCache, extend_block_hashes
+from paged_jax.core.sequence import Sequence
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: int):
+    def __init__(self, num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: int, *,
+                 prefix_cache: PrefixCache | None = None, host: HostMemory | None = None,
+                 sliding_window: int | None = None):
+        """`prefix_cache`: the hash -> block map this pool's cached blocks are entered in; `host`: the
+        host tier that keeps evicted ones; `sliding_window`: every layer's window (tokens), whose
+        blocks behind it go back to the pool."""
         self.block_size = block_size
         self.pool = bp.init(num_blocks, block_size, max_seqs, max_blocks_per_seq, host=True)
+        self.prefix_cache = prefix_cache or PrefixCache(enabled=False)
+        self.host = host or HostMemory(None, swap_preemption=False, tier=False, block_size=block_size)
+        self.sliding_window = sliding_window
 
     # -- what the scheduler reads -------------------------------------------------------------
 
@@ -63,9 +74,13 @@ class KVCacheManager:
         blocks = pool.queue[head]
         return blocks[pool.cached[blocks]].tolist()
 
-    def tables(self, slots, width: int) -> np.ndarray:
-        """i32[len(slots), width]: the rows' block tables cut to `width` (-1 slots: null rows)."""
-        return bp.rows(self.pool, np.asarray(slots, np.int32), width).block_tables
+    def tables_for(self, slots) -> tuple[np.ndarray, np.ndarray]:
+        """(i32[rows, width] block tables, i32[rows] mapped token slots) of sequence slots (-1: a
+        finished row, null), as wide as the most blocks one maps: what the device reads of the pool."""
+        slots = np.asarray(slots, np.int32)
+        num_mapped = np.where(slots >= 0, self.pool.seq_lens[slots], 0).astype(np.int32)
+        width = max(-(-int(num_mapped.max(initial=0)) // self.block_size), 1)
+        return bp.rows(self.pool, slots, width).block_tables, num_mapped
 
     # -- what the scheduler does --------------------------------------------------------------
 
@@ -116,6 +131,8 @@ class KVCacheManager:
     def fork(self, parent: int, child: int) -> tuple[int, int]:
         """`child` becomes a copy-on-write fork of `parent` -> (copy_src, copy_dst), -1 when the
         parent ends on a block boundary; the caller copies that block's KV on the device."""
+        if self.num_mapped(parent) % self.block_size:  # the child's copy of the tail takes a block
+            self.evict_next_block()
         width = self.num_blocks_of(parent) + 1
         slots = np.array([parent, child], np.int32)
         view = bp.rows(self.pool, slots, width)
@@ -129,5 +146,116 @@ class KVCacheManager:
         if blocks:
             self.pool = bp.mark_cached(self.pool, np.array(blocks, np.int32), len(blocks))
 
-    def uncache_all(self) -> None:
+    # -- sequences: prefix caching, the sliding window, lookahead (vLLM's request-level calls) ----
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def grow(self, seqs: list[Sequence], new_lens: list[int]) -> None:
+        """Grow the sequences' slots; the cached blocks handed out lose their prefix-cache entries
+        (the host tier keeps a copy of each first)."""
+        self.host.keep_evicted(self.next_evictions(
+            sum(max(0, self.num_blocks_for(n) - self.num_blocks_of(s.slot)) for s, n in zip(seqs, new_lens))),
+            self.prefix_cache)
+        self.prefix_cache.evict(self.allocate([s.slot for s in seqs], new_lens))
+
+    def evict_next_block(self) -> None:
+        """The next block handed out (a fork's tail copy) loses its prefix-cache entry; the host
+        tier keeps a copy first."""
+        evicted = self.next_evictions(1)
+        self.host.keep_evicted(evicted, self.prefix_cache)
+        self.prefix_cache.evict(evicted)
+
+    def lookahead_len(self, seq: Sequence, computed: int, num_output: int, num_decode_steps: int) -> int:
+        """Token slots a decoding row can use in one decode call that starts with `computed` tokens
+        in the cache and `num_output` sampled: num_decode_steps more (fewer near its max_tokens),
+        within the longest table."""
+        steps = 1 if seq.request.one_step_per_call else num_decode_steps
+        if seq.request.params.max_tokens is not None:
+            steps = min(steps, seq.request.params.max_tokens - num_output)
+        return min(computed + max(steps, 0), self.pool.max_seq_len)
+
+    def reserve_lookahead(self, seqs: list[Sequence], computed: list[int], num_output: list[int],
+                          num_decode_steps: int) -> bool:
+        """vLLM's lookahead slots: before a decode call every row gets the blocks of the tokens the
+        call may add (row i starts with computed[i] tokens in the cache and num_output[i] sampled;
+        `lookahead_len`): the most steps J (up to num_decode_steps) whose blocks all rows can have
+        at once; each row pauses at its J-th token (the call stops it there). No row is preempted
+        for lookahead: preemption happens exactly when a row cannot get its next token's block, and
+        the call then stops where the pool ran dry, as the in-loop allocation it replaces did.
+        -> whether every row that can still run got at least one step."""
+        ends = [self.lookahead_len(seq, c, o, num_decode_steps) for seq, c, o in zip(seqs, computed, num_output)]
+        mapped = [self.num_mapped(seq.slot) for seq in seqs]
+        have = [self.num_blocks_for(m) for m in mapped]
+
+        def targets(steps):
+            return [max(min(c + steps, end), m) for c, end, m in zip(computed, ends, mapped)]
+
+        def need(steps):
+            return sum(max(0, self.num_blocks_for(t) - h) for t, h in zip(targets(steps), have))
+
+        if need(1) > self.num_free:
+            return False
+        steps = 1
+        while steps < num_decode_steps and need(steps + 1) <= self.num_free:
+            steps += 1
+        self.grow(seqs, targets(steps))
+        return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every prefix-cache entry, the host tier's too; False, changing nothing, while any
+        block is held by a request."""
+        if self.num_free != self.pool.num_blocks - 1:
+            return False
+        self.prefix_cache.reset()
         self.pool = bp.uncache_all(self.pool)
+        self.host.reset_tier()
+        return True
+
+    def remove_skipped_blocks(self, seq: Sequence, computed: int | None = None) -> None:
+        """vLLM's SlidingWindowManager.remove_skipped_blocks: the next token (position num_computed)
+        and every later one attend to positions > num_computed - window, so the blocks wholly before
+        that go back to the pool (the table entry becomes the null block). A long generation then
+        holds about window / block_size + 1 blocks, not its whole length. `computed`: the tokens it
+        will have in the cache when the next call starts (an overlapped call), else num_computed."""
+        if self.sliding_window is None:
+            return
+        computed = seq.num_computed if computed is None else computed
+        skipped = max(0, computed - self.sliding_window + 1) // self.block_size
+        if skipped > self.num_skipped(seq.slot):
+            self.remove_skipped(seq.slot, skipped)
+
+    def prefix_hits(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Leading cached blocks (block, version); at most (num_tokens - 1) // bs, so a fully cached
+        prompt still computes its last token for logits (vLLM). Every entry is current: the map
+        drops one as soon as the pool hands its block out again. A request that skips reading the
+        cache (Request.skip_reading_prefix_cache) reads none, but its blocks still enter it."""
+        if seq.request.skip_reading_prefix_cache:
+            return []
+        return self.prefix_cache.candidates(seq.block_hashes, (seq.num_tokens - 1) // self.block_size)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Enter the sequence's computed full blocks in the prefix cache (prompt and output alike,
+        so a follow-up turn that repeats the conversation hits)."""
+        if not self.prefix_cache.enabled or seq.slot < 0:
+            return
+        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.request.cache_salt)
+        full = min(seq.num_computed, seq.num_tokens) // self.block_size
+        table = self.pool.block_tables[seq.slot]
+        marks = []
+        for i in range(seq.num_cached_blocks, full):
+            block = int(table[i])
+            if block > 0 and self.prefix_cache.insert(seq.block_hashes[i], block, int(self.version(block))):
+                marks.append(block)
+        self.mark_cached(marks)
+        seq.num_cached_blocks = max(seq.num_cached_blocks, full)
+
+    def stats(self) -> dict:
+        used, usable, cache = self.pool.num_blocks - 1 - self.num_free, self.pool.num_blocks - 1, self.prefix_cache
+        return dict(kv_cache_usage=used / usable, num_blocks_used=used, prefix_cache_queries=cache.queries,
+                    prefix_cache_hits=cache.hits, prefix_cache_hit_rate=cache.hits / max(cache.queries, 1),
+                    **self.host.stats())
+
+    def reset_counters(self) -> None:
+        self.prefix_cache.queries = self.prefix_cache.hits = 0
+        self.host.reset_counters()

@@ -42,17 +42,8 @@ class Sequence:
     token_logprobs: list[float] = dataclasses.field(default_factory=list)  # of each output token
     logprobs: list[dict] | None = None  # top-N entries per output token, when asked for
     stop_reason: int | str | None = None
-    # Incremental detokenization (engine/detokenizer.py); offsets count output tokens.
-    output_text: str = ""  # the text of output tokens [0, read_offset), cut at a stop string
-    prefix_offset: int = 0  # [prefix_offset, read_offset): the context the next token is decoded in
-    read_offset: int = 0
-    num_decoded: int = 0  # output tokens looked at; those past read_offset wait for a whole character
-    stop_at: int | None = None  # output tokens kept once a stop string ended the sequence
-    # RequestOutputKind.DELTA: how much of the output earlier outputs carried.
-    num_sent_tokens: int = 0
-    num_sent_chars: int = 0
-    finish_sent: bool = False
-
+    # The output side's state of it (text, detokenizer offsets, what streaming sent) is the output
+    # processor's (engine/output_processor.py: OutputState), not the scheduler's.
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
@@ -91,6 +82,17 @@ class Request:
     # owner: a prompt recomputed after a preemption is not scored twice); sent once in DELTA mode.
     prompt_logprobs: list[dict] = dataclasses.field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # The host reads each sampled token before the next is sampled (beam search ranks and forks
+    # between tokens): a decode call runs one step for this request's rows and is never overlapped.
+    one_step_per_call: bool = False
+    # vLLM V1's: no prefix hit is read (its blocks still enter the cache): a request asking for
+    # prompt_logprobs needs every prompt token's logits; a beam search's results do not depend on
+    # what the cache holds.
+    skip_reading_prefix_cache: bool = False
+
+    def __post_init__(self):
+        if self.params.prompt_logprobs is not None:
+            self.skip_reading_prefix_cache = True
 
     @property
     def finished(self) -> bool:

@@ -1,12 +1,14 @@
 """Beam search on shared blocks (the PagedAttention paper's section 4.4; vLLM's `LLM.beam_search`,
-vllm/beam_search.py). Every beam is a sequence slot. A beam kept with several continuations is
-forked: they share every full block it holds and each gets a copy of its partial tail block only;
-a beam that no continuation keeps is freed at once.
+vllm/beam_search.py). Each prompt is one request that runs through the scheduler like every other:
+its beams are the request's sequences, each in a sequence slot. A beam kept with several
+continuations is forked (`Scheduler.fork`): they share every full block it holds and each gets a
+copy of its partial tail block only; a beam that no continuation keeps is finished, its blocks
+freed at once.
 
-A step costs one wait on the device: a decode call in which every live beam feeds its newest token
-and gets its top 2 x W logprobs (the engine's own decode program, left after one step through
-max_tokens). The host ranks the candidates, frees the dropped beams and forks the kept ones
-(dispatched before the next decode call, their pool changes fetched with its output).
+A step costs one engine step: the request asks for its top 2 x W logprobs and for one token per
+decode call (`Request.one_step_per_call`), so the host ranks the candidates of each token before
+the next is sampled; the newest token of a beam is not in the cache yet, so the host may replace it
+with the candidate it keeps.
 
 vLLM's rules, and where transformers' `generate(num_beams=W, early_stopping=False)` differs:
 - candidates are each beam's top 2W tokens (and, with a temperature, its sampled one); the W best
@@ -20,21 +22,20 @@ vLLM's rules, and where transformers' `generate(num_beams=W, early_stopping=Fals
   EOS not counted; transformers counts output tokens only, EOS included;
 - the search always runs max_tokens steps (or to max_model_len); transformers' early_stopping=False
   stops once no live beam can beat the worst of W finished ones.
-The search runs alone on an idle engine; it neither reads nor writes the prefix cache.
+The search runs alone on an idle engine; its prompts fill the prefix cache but never read it.
 """
 from __future__ import annotations
 
 import dataclasses
-import time
+import itertools
 
 import numpy as np
 
-from paged_jax.core.scheduler import Plan
 from paged_jax.core.sequence import Request, Sequence, Status
 from paged_jax.engine.outputs import Logprob
-from paged_jax.sampling_params import BeamSearchParams, SamplingParams
+from paged_jax.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
-BEAM_KEYS = 1 << 30  # SeedSequence spawn keys of beam searches (requests' unseeded keys use 1 << 31)
+BEAM_KEYS = 1 << 30  # the SeedSequence spawn key a search's seed is drawn under (unseeded requests: 1 << 31)
 
 
 @dataclasses.dataclass
@@ -72,7 +73,6 @@ class _Search:
     max_steps: int  # output tokens: max_tokens, or fewer to stay within max_model_len
     beams: list[_Beam]
     completed: list[BeamSearchSequence] = dataclasses.field(default_factory=list)
-    forks: list[tuple[Sequence, Sequence]] = dataclasses.field(default_factory=list)  # (parent, child), next call
 
 
 def beam_search(engine, prompts: list[tuple[str | None, list[int]]],
@@ -83,7 +83,7 @@ def beam_search(engine, prompts: list[tuple[str | None, list[int]]],
     c, width = engine.config, params.beam_width
     if width > c.max_num_seqs:
         raise ValueError(f"beam_width={width} exceeds max_num_seqs={c.max_num_seqs}")
-    if engine.has_unfinished_requests() or engine.scheduler.has_work:
+    if engine.has_unfinished_requests():
         raise ValueError(f"beam_search needs an idle engine; {len(engine.requests)} requests are in it")
     plans = []
     for text, ids in prompts:
@@ -107,109 +107,87 @@ def beam_search(engine, prompts: list[tuple[str | None, list[int]]],
 
 
 def _search_group(engine, group, params: BeamSearchParams) -> list[BeamSearchOutput]:
-    sched, width = engine.scheduler, params.beam_width
-    base = SamplingParams(temperature=params.temperature, logprobs=2 * width, ignore_eos=True, max_tokens=1)
+    requests = []
+    for index, _, ids, steps in group:
+        # Seeded per search (the device derives each step's key), so a search samples the same twice.
+        seed = int(np.random.SeedSequence(engine.seed, spawn_key=(BEAM_KEYS, index)).generate_state(1)[0])
+        sp = SamplingParams(temperature=params.temperature, logprobs=2 * params.beam_width, ignore_eos=True,
+                            max_tokens=steps, seed=seed, output_kind=RequestOutputKind.FINAL_ONLY)
+        error = engine.unservable(ids, sp)
+        if error:
+            raise ValueError(error)
+        requests.append((f"beam-search-{next(_SEARCH_IDS)}", ids, sp, steps))
     searches = []
-    for index, text, ids, steps in group:
-        request = Request(f"beam-{index}", text, list(ids), base, time.monotonic())
-        key = np.random.SeedSequence(engine.seed, spawn_key=(BEAM_KEYS, index)).generate_state(2, np.uint32)
-        seq = Sequence(request, 0, list(ids), key, status=Status.RUNNING)
-        seq.slot = sched.take_slot()
-        searches.append(_Search(request, steps, [_Beam(seq, 0.0, [])]))
-    for search, (out, row) in zip(searches, _prefill(engine, searches)):
-        _step(engine, search, out, [row], params)
-    live = [s for s in searches if s.beams]
+    for request_id, ids, sp, steps in requests:
+        engine.add_request(request_id, list(ids), sp)
+        request = engine.requests[request_id]
+        request.one_step_per_call = request.skip_reading_prefix_cache = True
+        searches.append(_Search(request, steps, [_Beam(request.seqs[0], 0.0, [])]))
+    live = list(searches)
     while live:
-        # Dropped beams were freed; a kept beam's other continuations fork from it (a parent holds
-        # every token of its beam, one fewer than its continuations).
-        engine.model_runner.copy_blocks([sched.fork(parent, child) for s in live for parent, child in s.forks])
-        for s in live:  # all beams of a search hold n output tokens: the device stops after one more
-            s.request.params = dataclasses.replace(base, max_tokens=s.beams[0].seq.num_output + 1)
-        out = _call(engine, Plan(scheduled=[(b.seq, 1) for s in live for b in s.beams], is_decode=True))
-        row = 0
-        for s in live:
-            rows, row = list(range(row, row + len(s.beams))), row + len(s.beams)
-            _step(engine, s, out, rows, params)
+        if not engine.has_unfinished_requests():
+            raise RuntimeError("internal error: a beam search's requests ended with beams still live")
+        engine.step()
+        for search in live:
+            if all(b.seq.num_output == len(b.logprobs) + 1 for b in search.beams):  # each has its new token
+                _step(engine, search, params)
         live = [s for s in live if s.beams]
+    while any(s.request.request_id in engine.requests for s in searches):  # report what ended early
+        engine.step()
     return [_finish(engine, s, params) for s in searches]
 
 
-def _call(engine, plan: Plan):
-    """Map the plan's tokens in the pool, then run it."""
-    engine.scheduler.reserve(plan)
-    out = engine.model_runner.execute(plan)
-    k = engine.counters
-    k["decode_calls" if plan.is_decode else "prefill_steps"] += 1
-    k["peak_blocks_used"] = max(k["peak_blocks_used"], engine.config.num_blocks - 1 - engine.scheduler.num_free)
-    return out
+_SEARCH_IDS = itertools.count()
 
 
-def _prefill(engine, searches: list[_Search]) -> list[tuple[object, int]]:
-    """The prompts through prefill steps, in chunks of max_num_batched_tokens -> per search, the
-    output and row of its last chunk (which scores its first output token)."""
-    last, budget_cap = {}, engine.config.max_num_batched_tokens
-    while len(last) < len(searches):
-        plan, budget = Plan(), budget_cap
-        for search in searches:
-            seq = search.beams[0].seq
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if n > 0:
-                plan.scheduled.append((seq, n))
-                budget -= n
-        out = _call(engine, plan)
-        for row, (seq, n) in enumerate(plan.scheduled):
-            seq.num_computed += n
-            if seq.num_computed == seq.num_tokens:
-                last[seq.request.request_id] = (out, row)
-    return [last[s.request.request_id] for s in searches]
-
-
-def _step(engine, search: _Search, out, rows: list[int], params: BeamSearchParams) -> None:
-    """Rank the candidates of the search's beams (output rows `rows`); EOS ones are set aside as
-    finished; the best `beam_width` others become the beams: a kept beam's first continuation
-    takes over its slot, the others fork from it (`search.forks`, for the next call), a dropped
-    beam is freed. At max_steps the kept ones are finished and every slot is freed."""
-    width, eos = params.beam_width, () if params.ignore_eos else engine.eos_token_ids
+def _step(engine, search: _Search, params: BeamSearchParams) -> None:
+    """Rank the candidates of the search's beams, each holding its newest token's logprob entry;
+    EOS ones are set aside as finished; the best `beam_width` others become the beams: a kept
+    beam's first continuation takes over its sequence (its newest token replaced), the others fork
+    from it, a dropped beam is finished. At max_steps the kept ones are finished (the device
+    stopped them on length)."""
+    width, eos, scheduler = params.beam_width, () if params.ignore_eos else engine.eos_token_ids, engine.scheduler
+    # Every fork needs a slot and at most one block: the group was sized for its worst case.
     candidates = []
-    for beam, row in zip(search.beams, rows):
-        entry = engine.output_processor.logprob_entry(out.tokens[row, 0], out.logprob[row, 0], out.rank[row, 0],
-                                                      out.top_ids[row, 0], out.top_logprobs[row, 0], 2 * width)
-        length = beam.seq.num_tokens + 1
+    for beam in search.beams:
+        entry, length = beam.seq.logprobs[-1], beam.seq.num_tokens
         for token, lp in entry.items():
             cum = beam.cum_logprob + lp.logprob
             if token in eos:
-                search.completed.append(BeamSearchSequence(beam.seq.token_ids + [token], beam.logprobs + [entry], cum,
-                                                           finish_reason="stop", stop_reason=token))
+                search.completed.append(BeamSearchSequence(beam.seq.token_ids[:-1] + [token], beam.logprobs + [entry],
+                                                           cum, finish_reason="stop", stop_reason=token))
             else:
                 candidates.append((beam_score(length, cum, params.length_penalty), beam, token, entry, cum))
     candidates.sort(key=lambda cand: cand[0], reverse=True)  # stable: ties keep the beams' order
     kept = candidates[:width]
-    last = bool(kept) and search.beams[0].seq.num_output + 1 >= search.max_steps
-    parents = set() if last else {id(beam) for _, beam, *_ in kept}
+    if not kept:  # every candidate is an EOS: the search ends, its beams freed now, reported next step
+        engine.abort_request(search.request.request_id)
+        search.beams = []
+        return
+    if search.beams[0].seq.num_output >= search.max_steps:
+        search.completed += [BeamSearchSequence(beam.seq.token_ids[:-1] + [token], beam.logprobs + [entry], cum,
+                                                finish_reason="length") for _, beam, token, entry, cum in kept]
+        search.beams = []
+        return
+    parents = {id(beam) for _, beam, *_ in kept}
     for beam in search.beams:
         if id(beam) not in parents:
-            engine.scheduler.finish(beam.seq, Status.FINISHED_LENGTH)
-    beams, taken, search.forks = [], set(), []
+            scheduler.finish(beam.seq, Status.FINISHED_LENGTH)
+    beams, tokens = [], {id(beam): beam.seq.token_ids[:-1] for beam in search.beams}
     for _, parent, token, entry, cum in kept:
-        seq = Sequence(search.request, 0, parent.seq.token_ids + [token], parent.seq.key, status=Status.RUNNING,
-                       num_computed=parent.seq.num_tokens)
-        beams.append(_Beam(seq, cum, parent.logprobs + [entry]))
-        if last:
-            continue
-        if id(parent) in taken:
-            seq.slot = engine.scheduler.take_slot()
-            search.forks.append((parent.seq, seq))
+        if any(b.seq is parent.seq for b in beams):  # another continuation of a kept beam: a fork
+            full = len(tokens[id(parent)]) // engine.config.block_size  # blocks whose hashes hold
+            seq = Sequence(search.request, 0, tokens[id(parent)] + [token], parent.seq.key,
+                           num_computed=parent.seq.num_computed, block_hashes=parent.seq.block_hashes[:full],
+                           num_cached_blocks=min(parent.seq.num_cached_blocks, full), logprobs=[entry])
+            scheduler.fork(parent.seq, seq)
         else:
-            seq.slot = parent.seq.slot
-            taken.add(id(parent))
-    if last:
-        search.completed += [_as_output(b) for b in beams]
-        beams = []
+            seq = parent.seq
+            seq.token_ids[-1] = token
+            del seq.block_hashes[(seq.num_tokens - 1) // engine.config.block_size:]  # hashed the replaced token
+        beams.append(_Beam(seq, cum, parent.logprobs + [entry]))
     search.beams = beams
-
-
-def _as_output(beam: _Beam) -> BeamSearchSequence:
-    return BeamSearchSequence(list(beam.seq.token_ids), beam.logprobs, beam.cum_logprob, finish_reason="length")
+    search.request.seqs = [b.seq for b in beams]
 
 
 def _finish(engine, search: _Search, params: BeamSearchParams) -> BeamSearchOutput:

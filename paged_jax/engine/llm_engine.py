@@ -21,7 +21,7 @@ from paged_jax.engine import warm_up
 from paged_jax.engine.arg_utils import EngineArgs
 from paged_jax.engine.output_processor import OutputProcessor
 from paged_jax.engine.outputs import RequestOutput
-from paged_jax.sampling_params import RequestOutputKind, SamplingParams
+from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker import model_runner, sharding
 
 
@@ -182,38 +182,31 @@ class LLMEngine:
             plan = self.scheduler.schedule()
             self._count_plan(plan)
             call = self.model_runner.dispatch(plan)
-            if plan.is_decode and self.async_scheduling:  # processed next step, the next call running
+            if plan.is_decode and self.async_scheduling and not plan.one_step:  # processed next step
                 self._in_flight = call
                 call = None
         if call is not None:
-            self._process(call, touched)
+            touched |= self._process(call)
         self.counters["busy_seconds"] += time.perf_counter() - start
         used = self.config.num_blocks - 1 - self.scheduler.num_free
         self.counters["peak_blocks_used"] = max(self.counters["peak_blocks_used"], used)
-        outputs = []
-        for request_id in touched:
-            request = self.requests[request_id]
-            if request.finished or request.params.output_kind is not RequestOutputKind.FINAL_ONLY:
-                outputs.append(self.output_processor.make_output(request))
-            if request.finished:
-                del self.requests[request_id]
+        outputs = self.output_processor.make_outputs([self.requests[request_id] for request_id in touched])
+        for out in outputs:
+            if out.finished:
+                del self.requests[out.request_id]
         return outputs
 
-    def _process(self, call: model_runner.Call, touched: set[str]) -> None:
-        """Fetch a call's output and apply it: scheduler transitions, then text and stop strings."""
+    def _process(self, call: model_runner.Call) -> set[str]:
+        """Fetch a call's output and apply it: the scheduler's transitions, then the output side's
+        (logprobs, text, stop strings), then the stop strings' finishes -> the requests touched."""
         plan, output = call.plan, self.model_runner.fetch(call)
-        if output.prompt_logprobs is not None:
-            self.output_processor.process_prompt_logprobs(plan, output.prompt_logprobs)
-        for seq, row, n in self.scheduler.update_from_output(plan, output):
-            before = seq.num_output - n
-            if self.output_processor.process(seq, output, row, n):  # a stop string ended it
-                self.scheduler.finish(seq, Status.FINISHED_STOPPED)
-            self.counters["generation_tokens"] += seq.num_output - before
-            seq.request.first_token_time = seq.request.first_token_time or time.monotonic()
-            if seq.request.finished:
-                seq.request.finish_time = seq.request.finish_time or time.monotonic()
-            touched.add(seq.request.request_id)
+        progressed = self.scheduler.update_from_output(plan, output)
+        stopped, num_new = self.output_processor.process_outputs(plan, output, progressed)
+        for seq in stopped:
+            self.scheduler.finish(seq, Status.FINISHED_STOPPED)
+        self.counters["generation_tokens"] += num_new
         self._count_steps(plan, int(output.steps))
+        return {seq.request.request_id for seq, _, _ in progressed}
 
     def _count_plan(self, plan):
         k = self.counters

@@ -2,6 +2,10 @@
 sequences, incremental detokenization, stop strings, logprobs, and the `RequestOutput`s users read."""
 from __future__ import annotations
 
+import dataclasses
+import time
+import weakref
+
 import numpy as np
 
 from paged_jax.core.sequence import Request, Sequence, Status
@@ -10,9 +14,48 @@ from paged_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from paged_jax.sampling_params import RequestOutputKind
 
 
+@dataclasses.dataclass
+class OutputState:
+    """What the output side keeps of one sequence (vLLM's RequestState and IncrementalDetokenizer;
+    the scheduler's `Sequence` holds none of it). Offsets count output tokens."""
+
+    output_text: str = ""  # the text of output tokens [0, read_offset), cut at a stop string
+    prefix_offset: int = 0  # [prefix_offset, read_offset): the context the next token is decoded in
+    read_offset: int = 0
+    num_decoded: int = 0  # output tokens looked at; those past read_offset wait for a whole character
+    stop_at: int | None = None  # output tokens kept once a stop string ended the sequence
+    # RequestOutputKind.DELTA: how much of the output earlier outputs carried.
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+    finish_sent: bool = False
+
+
 class OutputProcessor:
     def __init__(self, tokenizer=None):
         self.tokenizer = tokenizer
+        # Per live sequence, dropped with it (a finished request's sequences go with the request).
+        self._states: weakref.WeakKeyDictionary[Sequence, OutputState] = weakref.WeakKeyDictionary()
+
+    def _state(self, seq: Sequence) -> OutputState:
+        state = self._states.get(seq)
+        if state is None:
+            state = self._states[seq] = OutputState()
+        return state
+
+    def process_outputs(self, plan, output, progressed) -> tuple[list[Sequence], int]:
+        """One call's output after the scheduler took it (`progressed`: its (seq, row, new tokens)):
+        prompt logprobs, each sequence's logprobs and stop strings, first-token times -> (the
+        sequences a stop string ended, for the scheduler to finish; output tokens kept)."""
+        if output.prompt_logprobs is not None:
+            self.process_prompt_logprobs(plan, output.prompt_logprobs)
+        stopped, num_new, now = [], 0, time.monotonic()
+        for seq, row, n in progressed:
+            before = seq.num_output - n
+            if self.process(seq, output, row, n):
+                stopped.append(seq)
+            num_new += seq.num_output - before
+            seq.request.first_token_time = seq.request.first_token_time or now
+        return stopped, num_new
 
     def process(self, seq: Sequence, output, row: int, n: int) -> bool:
         """The scheduler appended `n` new tokens to `seq` from row `row` of a `ModelOutput`: build their
@@ -65,51 +108,66 @@ class OutputProcessor:
         return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else None
 
     def _detokenize(self, seq: Sequence) -> None:
-        """Bring `seq.output_text` up to its newest output token, one token at a time so that a stop
+        """Bring the sequence's text up to its newest output token, one token at a time so that a stop
         string is found at the token that completed it (vLLM's detokenizer stop: stop strings
         complete only after min_tokens output tokens; the first in the list wins)."""
-        if self.tokenizer is None or seq.stop_at is not None:
+        st = self._state(seq)
+        if self.tokenizer is None or st.stop_at is not None:
             return
-        params, base, text = seq.request.params, seq.num_prompt_tokens, seq.output_text
-        for k in range(max(seq.num_decoded, seq.read_offset) + 1, seq.num_output + 1):
-            seq.num_decoded = k
-            new = decode_next(self.tokenizer, seq.token_ids[base + seq.prefix_offset: base + k],
-                              seq.read_offset - seq.prefix_offset, skip_special_tokens=params.skip_special_tokens)
+        params, base, text = seq.request.params, seq.num_prompt_tokens, st.output_text
+        for k in range(max(st.num_decoded, st.read_offset) + 1, seq.num_output + 1):
+            st.num_decoded = k
+            new = decode_next(self.tokenizer, seq.token_ids[base + st.prefix_offset: base + k],
+                              st.read_offset - st.prefix_offset, skip_special_tokens=params.skip_special_tokens)
             if new is None:
                 continue
             text += new  # a local: CPython appends in place where it would copy an attribute's string
-            seq.prefix_offset, seq.read_offset = seq.read_offset, k
+            st.prefix_offset, st.read_offset = st.read_offset, k
             hit = find_stop(text, len(new), params.stop) if params.stop and k > params.min_tokens else None
             if hit is not None:
                 stop, at = hit
-                seq.stop_reason, seq.stop_at = stop, k
+                seq.stop_reason, st.stop_at = stop, k
                 text = text[: at + (len(stop) if params.include_stop_str_in_output else 0)]
                 break
-        seq.output_text = text
+        st.output_text = text
 
     def check_stop_strings(self, seq: Sequence) -> Status | None:
         """Detokenize the new output tokens; when one of them completed a stop string, drop the tokens
         after it (the text is already cut before the stop string, or after it with
         include_stop_str_in_output)."""
+        st = self._state(seq)
         self._detokenize(seq)
-        if seq.stop_at is None:
+        if st.stop_at is None:
             return None
-        del seq.token_ids[seq.num_prompt_tokens + seq.stop_at:]
-        del seq.token_logprobs[seq.stop_at:]
+        del seq.token_ids[seq.num_prompt_tokens + st.stop_at:]
+        del seq.token_logprobs[st.stop_at:]
         if seq.logprobs:
-            del seq.logprobs[seq.stop_at:]
+            del seq.logprobs[st.stop_at:]
         return Status.FINISHED_STOPPED
 
     def _finish_text(self, seq: Sequence) -> None:
         """A finished sequence's last tokens that never made a whole character: decoded as they are
         (U+FFFD, as a full decode shows them); never searched for stop strings, as in vLLM."""
-        if self.tokenizer is None or seq.stop_at is not None or seq.read_offset == seq.num_output:
+        st = self._state(seq)
+        if self.tokenizer is None or st.stop_at is not None or st.read_offset == seq.num_output:
             return
         base = seq.num_prompt_tokens
-        seq.output_text += decode_next(self.tokenizer, seq.token_ids[base + seq.prefix_offset:],
-                                       seq.read_offset - seq.prefix_offset, final=True,
-                                       skip_special_tokens=seq.request.params.skip_special_tokens)
-        seq.prefix_offset, seq.read_offset = seq.read_offset, seq.num_output
+        st.output_text += decode_next(self.tokenizer, seq.token_ids[base + st.prefix_offset:],
+                                      st.read_offset - st.prefix_offset, final=True,
+                                      skip_special_tokens=seq.request.params.skip_special_tokens)
+        st.prefix_offset, st.read_offset = st.read_offset, seq.num_output
+
+    def make_outputs(self, requests: list[Request]) -> list[RequestOutput]:
+        """The outputs of requests a step touched: each finished one, and each unfinished one that
+        streams (not FINAL_ONLY); a finished one's finish time is set here if it has none."""
+        outputs, now = [], time.monotonic()
+        for request in requests:
+            if request.finished:
+                request.finish_time = request.finish_time or now
+            elif request.params.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue
+            outputs.append(self.make_output(request))
+        return outputs
 
     def make_output(self, request: Request) -> RequestOutput:
         delta = request.params.output_kind is RequestOutputKind.DELTA
@@ -124,7 +182,7 @@ class OutputProcessor:
                     completions.append(completion)
                 continue
             completions.append(CompletionOutput(
-                index=seq.index, text=seq.output_text, token_ids=list(seq.output_ids),
+                index=seq.index, text=self._state(seq).output_text, token_ids=list(seq.output_ids),
                 cumulative_logprob=self._cumulative_logprob(seq), logprobs=seq.logprobs,
                 finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason))
         metrics = dict(arrival_time=request.arrival_time, first_token_time=request.first_token_time,
@@ -141,19 +199,20 @@ class OutputProcessor:
         """What `seq` has that no earlier output carried, or None when nothing. A running sequence
         keeps back its last max(len(stop)) - 1 characters, as vLLM's streaming does: a stop string
         they may begin would cut them from the text, and a chunk cannot be taken back."""
-        params, text = seq.request.params, seq.output_text
+        st = self._state(seq)
+        params, text = seq.request.params, st.output_text
         end = len(text)
         if not seq.finished and params.stop and not params.include_stop_str_in_output:
-            end = max(seq.num_sent_chars, end - max(len(s) for s in params.stop) + 1)
-        finish = seq.status.finish_reason if seq.finished and not seq.finish_sent else None
-        if end == seq.num_sent_chars and seq.num_sent_tokens == seq.num_output and finish is None:
+            end = max(st.num_sent_chars, end - max(len(s) for s in params.stop) + 1)
+        finish = seq.status.finish_reason if seq.finished and not st.finish_sent else None
+        if end == st.num_sent_chars and st.num_sent_tokens == seq.num_output and finish is None:
             return None
-        tokens = seq.token_ids[seq.num_prompt_tokens + seq.num_sent_tokens:]
-        logprobs = seq.logprobs[seq.num_sent_tokens:] if seq.logprobs is not None else None
+        tokens = seq.token_ids[seq.num_prompt_tokens + st.num_sent_tokens:]
+        logprobs = seq.logprobs[st.num_sent_tokens:] if seq.logprobs is not None else None
         completion = CompletionOutput(
-            index=seq.index, text=text[seq.num_sent_chars:end], token_ids=tokens,
+            index=seq.index, text=text[st.num_sent_chars:end], token_ids=tokens,
             cumulative_logprob=self._cumulative_logprob(seq), logprobs=logprobs,
             finish_reason=finish, stop_reason=seq.stop_reason if finish else None)
-        seq.num_sent_chars, seq.num_sent_tokens = end, seq.num_output
-        seq.finish_sent = seq.finished
+        st.num_sent_chars, st.num_sent_tokens = end, seq.num_output
+        st.finish_sent = seq.finished
         return completion

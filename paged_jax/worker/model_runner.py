@@ -80,6 +80,7 @@ class ModelRunner:
         c = self.config
         copying = self._start_copy_out(plan)
         start = time.perf_counter()
+        self.copy_blocks(plan.copies_first)
         if plan.is_decode:
             seqs = [seq for seq, _ in plan.scheduled]
             batch = batching.decode_batch(plan, max_num_seqs=c.max_num_seqs, max_blocks_per_seq=c.max_blocks_per_seq)

@@ -126,3 +126,27 @@ def test_pallas_kernels_in_interpret_mode_search_the_same_beams():
     want = [[s.tokens for s in r.sequences] for r in reference.beam_search(prompts, params)]
     assert [[s.tokens for s in r.sequences] for r in pallas.beam_search(prompts, params)] == want
     assert_pool_drained(pallas)
+
+
+def test_a_search_whose_candidates_are_all_eos_ends_at_once_and_leaves_the_engine():
+    """Every token an EOS: the first step's candidates all finish, the W best of them are the
+    result (one token each, the EOS not in the text), and the request leaves the engine at once."""
+    llm, prompts = stories_engine()
+    greedy = llm.beam_search(prompts, BeamSearchParams(beam_width=WIDTH, max_tokens=1))
+    llm.engine.eos_token_ids = tuple(range(llm.engine.model_config.vocab_size))
+    results = llm.beam_search(prompts, BeamSearchParams(beam_width=WIDTH, max_tokens=NEW_TOKENS))
+    for prompt, result, first in zip(prompts, results, greedy):
+        assert [s.finish_reason for s in result.sequences] == ["stop"] * WIDTH
+        assert [s.tokens for s in result.sequences] == [s.tokens for s in first.sequences]
+        assert [s.stop_reason for s in result.sequences] == [s.tokens[-1] for s in result.sequences]
+        assert [s.text for s in result.sequences] == [""] * WIDTH
+    assert llm.engine.requests == {} and not llm.engine.has_unfinished_requests()
+    assert_pool_drained(llm)
+
+
+def test_serial_and_overlapped_engines_search_the_same_beams():
+    params = BeamSearchParams(beam_width=WIDTH, max_tokens=NEW_TOKENS)
+    (overlapped, prompts), (serial, _) = stories_engine(), stories_engine(async_scheduling=False)
+    want = [[(s.tokens, s.cum_logprob) for s in r.sequences] for r in overlapped.beam_search(prompts, params)]
+    assert [[(s.tokens, s.cum_logprob) for s in r.sequences] for r in serial.beam_search(prompts, params)] == want
+    assert serial.stats()["decode_calls"] == overlapped.stats()["decode_calls"] == NEW_TOKENS - 1
