@@ -2,7 +2,7 @@
 
 An Orbax directory written by `save_orbax` holds `config.json` (HF style, with `model_type`), the
 tokenizer files of its source and the parameters under `state/`; `load_model` tells the two kinds
-apart, so the engine has one entry point. Loading an HF directory streams tensor by tensor into
+apart, and hands a file to models.gguf, so the engine has one entry point. Loading an HF directory streams tensor by tensor into
 preallocated stacked arrays: peak host memory is about one model, not two.
 """
 from __future__ import annotations
@@ -10,85 +10,22 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Callable, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 from safetensors import safe_open
 
-from models.gemma2 import Gemma2, Gemma2Config
-from models.llama import ARCHITECTURES, Llama, LlamaConfig
+from models.errors import CheckpointError
+from models.gguf import load_gguf_model
+from models.llama import Llama
+from models.llama_config import LlamaConfig
+from models.loading import MODEL_REGISTRY, HFTensor, abstract_model, put_tensor, to_device
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "tokenizer.model", "chat_template.jinja")
 ORBAX_STATE = "state"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint whose contents do not match what its config.json describes."""
-
-
-class HFTensor(NamedTuple):
-    param: tuple[str, ...]  # path of our parameter in `nnx.to_pure_dict(nnx.state(model))`
-    layer: int | None  # index on the stacked layer axis, None for unstacked parameters
-    shape: tuple[int, ...]  # the tensor's shape in the HF file
-    transpose: bool  # HF's nn.Linear stores [out, in]; ours are [in, out]
-
-
-def llama_hf_tensors(c: LlamaConfig, extra_per_layer=None) -> dict[str, HFTensor]:
-    """HF tensor name -> where it goes in our parameters (reshaped to the parameter's per-layer shape).
-    `extra_per_layer`: a family's layer tensors, added to (or replacing) Llama's."""
-    d, f, q, kv = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    out = {"model.embed_tokens.weight": HFTensor(("embed",), None, (c.vocab_size, d), False),
-           "model.norm.weight": HFTensor(("norm",), None, (d,), False)}
-    if not c.tie_word_embeddings:
-        out["lm_head.weight"] = HFTensor(("lm_head",), None, (c.vocab_size, d), True)
-    per_layer = {"input_layernorm.weight": ("attn_norm", (d,), False),
-                 "self_attn.q_proj.weight": ("wq", (q, d), True),
-                 "self_attn.k_proj.weight": ("wk", (kv, d), True),
-                 "self_attn.v_proj.weight": ("wv", (kv, d), True),
-                 "self_attn.o_proj.weight": ("wo", (d, q), True),
-                 "post_attention_layernorm.weight": ("mlp_norm", (d,), False),
-                 "mlp.gate_proj.weight": ("w_gate", (f, d), True),
-                 "mlp.up_proj.weight": ("w_up", (f, d), True),
-                 "mlp.down_proj.weight": ("w_down", (d, f), True)}
-    if c.qkv_bias:
-        per_layer.update({"self_attn.q_proj.bias": ("bq", (q,), False),
-                          "self_attn.k_proj.bias": ("bk", (kv,), False),
-                          "self_attn.v_proj.bias": ("bv", (kv,), False)})
-    if c.attention_bias:
-        per_layer["self_attn.o_proj.bias"] = ("bo", (d,), False)
-    if c.qk_norm:
-        per_layer.update({"self_attn.q_norm.weight": ("q_norm", (c.head_dim,), False),
-                          "self_attn.k_norm.weight": ("k_norm", (c.head_dim,), False)})
-    per_layer.update(extra_per_layer or {})
-    for i in range(c.num_layers):
-        for name, (param, shape, transpose) in per_layer.items():
-            out[f"model.layers.{i}.{name}"] = HFTensor(("layers", param), i, shape, transpose)
-    return out
-
-
-def gemma2_hf_tensors(c: Gemma2Config) -> dict[str, HFTensor]:
-    """Llama's tensors; HF's post_attention_layernorm follows attention here (it precedes the MLP in
-    Llama), pre_feedforward_layernorm precedes the MLP, post_feedforward_layernorm follows it."""
-    d = (c.hidden_size,)
-    return llama_hf_tensors(c, {"post_attention_layernorm.weight": ("post_attn_norm", d, False),
-                                "pre_feedforward_layernorm.weight": ("mlp_norm", d, False),
-                                "post_feedforward_layernorm.weight": ("post_mlp_norm", d, False)})
-
-
-class ModelSpec(NamedTuple):
-    config_cls: type
-    model_cls: type
-    hf_tensors: Callable[[LlamaConfig], dict[str, HFTensor]]
-
-
-# config.json's model_type -> how to build and fill the model (vLLM's model registry, in small).
-MODEL_REGISTRY = {**{model_type: ModelSpec(LlamaConfig, Llama, llama_hf_tensors) for model_type in ARCHITECTURES},
-                  "gemma2": ModelSpec(Gemma2Config, Gemma2, gemma2_hf_tensors)}
 # Tensors some checkpoints carry that the model recomputes (old HF Llama saved RoPE's table).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -110,14 +47,6 @@ def read_config(path, *, dtype=None) -> LlamaConfig:
         raise CheckpointError(f"{file}: required field {e} is missing") from e
     except ValueError as e:
         raise CheckpointError(f"{file}: {e}") from e
-
-
-def _abstract_model(config: LlamaConfig):
-    """(graphdef, abstract state, pure dict of ShapeDtypeStructs): the model's shapes, no memory."""
-    model_cls = MODEL_REGISTRY[config.model_type].model_cls
-    abstract = nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    return graphdef, state, nnx.to_pure_dict(state)
 
 
 def _hf_weight_files(path: Path) -> list[Path]:
@@ -162,7 +91,7 @@ def load_hf(path, *, dtype=None) -> Llama:
     expected = MODEL_REGISTRY[config.model_type].hf_tensors(config)
     files = _hf_weight_files(path)
     _check_tensors(files, expected, path / "config.json")
-    graphdef, state, shapes = _abstract_model(config)
+    graphdef, state, shapes = abstract_model(config)
     buffers = jax.tree.map(lambda s: np.empty(s.shape, s.dtype), shapes)
     # framework="flax" because numpy has no bf16; pinned to the host so nothing visits the GPU.
     with jax.default_device(jax.local_devices(backend="cpu")[0]):
@@ -170,27 +99,8 @@ def load_hf(path, *, dtype=None) -> Llama:
             with safe_open(file, framework="flax") as f:
                 for name in sorted(set(f.keys()) & set(expected)):
                     put_tensor(buffers, expected[name], np.asarray(f.get_tensor(name)))
-    nnx.replace_by_pure_dict(state, _to_device(buffers))
+    nnx.replace_by_pure_dict(state, to_device(buffers))
     return nnx.merge(graphdef, state)
-
-
-def put_tensor(buffers, t: HFTensor, values: np.ndarray) -> None:
-    """Copy one checkpoint tensor (in the file's layout) into its place in the preallocated buffers."""
-    values = values.T if t.transpose else values
-    target = buffers
-    for key in t.param:
-        target = target[key]
-    if t.layer is None:
-        target[...] = values.reshape(target.shape)
-    else:
-        target[t.layer] = values.reshape(target.shape[1:])
-
-
-def _to_device(buffers):
-    """Move host arrays one at a time, dropping each host copy as it goes (peak: one extra array)."""
-    if isinstance(buffers, dict):
-        return {key: _to_device(buffers.pop(key)) for key in list(buffers)}
-    return jnp.asarray(buffers)
 
 
 def save_orbax(model: Llama, out_dir, *, source_dir=None) -> Path:
@@ -210,7 +120,7 @@ def load_orbax(path, *, dtype=None) -> Llama:
     """An Orbax directory written by `save_orbax` -> model; `dtype` casts while restoring."""
     path = Path(path).absolute()
     config = read_config(path, dtype=dtype)
-    graphdef, state, shapes = _abstract_model(config)
+    graphdef, state, shapes = abstract_model(config)
     # The whole model on this process's first device, as in one process: without a target sharding
     # Orbax reuses the saved one, which names the saving job's devices and is refused in another
     # topology (e.g. a jax.distributed job); shard_model places it on a mesh afterwards.
@@ -239,8 +149,6 @@ def load_model(path, *, dtype=None) -> Llama:
     """The engine's loader: an HF safetensors or an Orbax directory, told apart by its contents, or a
     GGUF file (models.gguf)."""
     if Path(path).is_file():
-        from models.gguf import load_gguf_model  # imported here: models.gguf builds on this module
-
         return load_gguf_model(path, dtype=dtype)
     if checkpoint_kind(path) == "orbax":
         return load_orbax(path, dtype=dtype)

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.layers import gated_mlp, self_attention
-from models.llama import Llama, LlamaConfig, LlamaLayers, hf_common_fields
+from models.llama import Llama, LlamaLayers
+from models.llama_config import LlamaConfig, hf_common_fields
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh",)

@@ -1,27 +1,31 @@
 """GGUF files (llama.cpp's format): a Llama, Qwen2 or Qwen3 and its tokenizer from one file.
 
-The metadata gives the config (`llama.block_count`, `llama.embedding_length`, ...) and the tokenizer
-(`models.gguf_tokenizer`). Each tensor is dequantized to f32 as it is read, cast to the compute dtype
-and written into the preallocated stacked arrays, so peak host memory is about one model (as
-models.checkpoint loads safetensors). A GGUF tensor is its Hugging Face tensor under another name
-(convert_hf_to_gguf.py renames, and dims listed innermost first read back as HF's [out, in]), so the
-placement is `llama_hf_tensors`'s. One exception: llama.cpp runs a Llama with interleaved rotary
-pairs, and its converter permutes the q/k projection rows to match; they are put back into HF's
-rotate-half layout here, which models.llama assumes. Qwen2/Qwen3 are written unpermuted (llama.cpp
-runs them with the rotate-half "NEOX" rotary).
+The metadata (read through models.gguf_file) gives the config (`llama.block_count`,
+`llama.embedding_length`, ...) and the tokenizer (`models.gguf_tokenizer`). Each tensor is dequantized
+to f32 as it is read, cast to the compute dtype and written into the preallocated stacked arrays, so
+peak host memory is about one model (as models.checkpoint loads safetensors, both through
+models.loading). A GGUF tensor is its Hugging Face tensor under another name (convert_hf_to_gguf.py
+renames, and dims listed innermost first read back as HF's [out, in]), so the placement is
+`llama_hf_tensors`'s. One exception: llama.cpp runs a Llama with interleaved rotary pairs, and its
+converter permutes the q/k projection rows to match; they are put back into HF's rotate-half layout
+here, which models.llama assumes. Qwen2/Qwen3 are written unpermuted (llama.cpp runs them with the
+rotate-half "NEOX" rotary).
 """
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import gguf
 import jax
 import numpy as np
 from flax import nnx
 
-from models.checkpoint import MODEL_REGISTRY, CheckpointError, HFTensor, _abstract_model, _to_device, put_tensor
-from models.llama import Llama, LlamaConfig, rope_inv_freq
+from models.errors import CheckpointError
+from models.gguf_file import field, open_gguf
+from models.gguf_tokenizer import gguf_tokenizer
+from models.llama import Llama
+from models.llama_config import LlamaConfig, rope_inv_freq
+from models.loading import MODEL_REGISTRY, HFTensor, abstract_model, put_tensor, to_device
 
 Q = gguf.GGMLQuantizationType
 # What the common files hold: full precision, Q8_0, the legacy 4- and 5-bit types, and the K-quants of
@@ -40,21 +44,10 @@ _LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "a
                 "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                 "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                 "ffn_down": "mlp.down_proj"}
-_REQUIRED = object()
 # Meta's Llama 3.1 / 3.2 RoPE scaling but for its factor: a GGUF keeps only the per-frequency factors
 # these give (convert_hf_to_gguf.py writes them as rope_freqs.weight), so they are checked, not read.
 _LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=8192)
-
-
-def field(reader: gguf.GGUFReader, key: str, default=_REQUIRED):
-    """A metadata value (a number, a string, a bool or a list of them), `default` when absent."""
-    f = reader.get_field(key)
-    if f is None:
-        if default is _REQUIRED:
-            raise CheckpointError(f"{reader.data.filename}: required metadata {key!r} is missing")
-        return default
-    return f.contents()
 
 
 def hf_name(name: str) -> str | None:
@@ -82,8 +75,8 @@ def read_config(reader: gguf.GGUFReader, *, dtype=None) -> LlamaConfig:
         raise CheckpointError(f"{file}: GGUF architecture {arch!r} is not supported; "
                               f"supported: {sorted(ARCHITECTURES)}")
 
-    def get(key, default=_REQUIRED):
-        return field(reader, f"{arch}.{key}", default)
+    def get(key, *default):
+        return field(reader, f"{arch}.{key}", *default)
 
     names = {t.name for t in reader.tensors}
     heads = get("attention.head_count")
@@ -177,36 +170,22 @@ def _plan(reader, config: LlamaConfig) -> list[tuple[gguf.ReaderTensor, HFTensor
     return plan
 
 
-def open_gguf(path) -> gguf.GGUFReader:
-    """The file's metadata parsed and its tensors memory-mapped (read when dequantized)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such GGUF file")
-    try:
-        return gguf.GGUFReader(path)
-    except ValueError as e:  # gguf-py's message for a bad magic or version
-        raise CheckpointError(f"{path}: not a GGUF file ({e}); a checkpoint is a directory or a .gguf file") from e
-
-
 def load_gguf_model(path, *, dtype=None, reader=None) -> Llama:
     """A GGUF file -> model, each tensor dequantized on the host and cast to the compute dtype."""
     reader = reader if reader is not None else open_gguf(path)
     config = read_config(reader, dtype=dtype)
     plan = _plan(reader, config)
-    graphdef, state, shapes = _abstract_model(config)
+    graphdef, state, shapes = abstract_model(config)
     buffers = jax.tree.map(lambda s: np.empty(s.shape, s.dtype), shapes)
     for tensor, t, heads in plan:
         values = dequantize(tensor)
         put_tensor(buffers, t, unpermute_qk(values, heads) if heads else values)
-    nnx.replace_by_pure_dict(state, _to_device(buffers))
+    nnx.replace_by_pure_dict(state, to_device(buffers))
     return nnx.merge(graphdef, state)
 
 
 def load_gguf(path, *, dtype=None):
     """(model, tokenizer or None) from one GGUF file, its metadata parsed once for both (parsing a
     49k-token vocabulary is seconds of gguf-py's time)."""
-    # Imported here: models.gguf_tokenizer reads the metadata through this module's `field`.
-    from models.gguf_tokenizer import gguf_tokenizer
-
     reader = open_gguf(path)
     return load_gguf_model(path, dtype=dtype, reader=reader), gguf_tokenizer(reader)

@@ -1,5 +1,5 @@
 """A GGUF file's tokenizer (`tokenizer.ggml.*` metadata) as a Hugging Face `tokenizers.Tokenizer`,
-wrapped in models.tokenizer.Tokenizer with the file's chat template, BOS and EOS.
+wrapped in models.tokenizer_base.Tokenizer with the file's chat template, BOS and EOS.
 
 Built the way transformers' GGUF converter builds it (integrations/gguf/gguf_tokenizer_mapping.py),
 so that both encode a text alike: a byte-level BPE over the file's tokens and merges; the split that
@@ -18,8 +18,8 @@ import gguf
 import tokenizers
 from tokenizers import decoders, pre_tokenizers, processors
 
-from models.gguf import field
-from models.tokenizer import Tokenizer
+from models.gguf_file import field
+from models.tokenizer_base import Tokenizer
 
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.checkpoint import llama_hf_tensors
+from models.loading import llama_hf_tensors
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -89,7 +89,7 @@ def hf_available() -> bool:
 
 def hf_llama(model, num_threads: int | None = None):
     """`transformers.LlamaForCausalLM` holding our model's weights (the checkpoint layout of
-    models/checkpoint.py, read backwards); `num_threads` sets torch's intra-op threads."""
+    models/loading.py, read backwards); `num_threads` sets torch's intra-op threads."""
     import torch
     import transformers
 

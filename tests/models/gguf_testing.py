@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from models.checkpoint import llama_hf_tensors
+from models.loading import llama_hf_tensors
 
 Q = gguf.GGMLQuantizationType
 _ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
