@@ -9,7 +9,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from paged_jax.core.scheduler import Plan
+from paged_jax.core.plan import Plan
 from paged_jax.core.sequence import Sequence
 from paged_jax.worker import sampler
 
