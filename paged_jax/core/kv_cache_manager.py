@@ -154,6 +154,8 @@ class KVCacheManager:
     def grow(self, seqs: list[Sequence], new_lens: list[int]) -> None:
         """Grow the sequences' slots; the cached blocks handed out lose their prefix-cache entries
         (the host tier keeps a copy of each first)."""
+        if not seqs:
+            return
         self.host.keep_evicted(self.next_evictions(
             sum(max(0, self.num_blocks_for(n) - self.num_blocks_of(s.slot)) for s, n in zip(seqs, new_lens))),
             self.prefix_cache)

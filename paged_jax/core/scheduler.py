@@ -118,13 +118,12 @@ class Scheduler:
 
     def schedule(self) -> Plan:
         """Plan the next step and apply its pool operations: vLLM's two passes."""
-        plan = Plan()
-        plan.copies_first, self._copies_pending = self._copies_pending, []
-        budget = self.max_num_batched_tokens
-        kv = self.kv_manager
+        plan, self._copies_pending = Plan(copies_first=self._copies_pending), []
+        budget, kv = self.max_num_batched_tokens, self.kv_manager
 
         # Pass 1: running sequences in admission order; preempt from the back when blocks run out.
-        i = 0
+        # The pool grows once for the plan, at the end: `pending` counts the blocks promised so far.
+        grows, pending, i = [], 0, 0
         while i < len(self.running):
             seq = self.running[i]
             kv.remove_skipped_blocks(seq)
@@ -134,7 +133,7 @@ class Scheduler:
                 continue
             target = max(seq.num_computed + n, kv.num_mapped(seq.slot))
             need = kv.num_blocks_for(target) - kv.num_blocks_of(seq.slot) + self._fork_blocks(seq, n)
-            while need > kv.num_free and self.running:
+            while need + pending > kv.num_free and self.running:
                 victim = self.running.pop()
                 victim.host_blocks = self.host.swap_out(victim, kv, plan.swap_out, sliding_window=self.sliding_window)
                 for s in [victim, *victim.children]:
@@ -148,8 +147,8 @@ class Scheduler:
                     break
             if seq.status == Status.WAITING:
                 break
-            kv.grow([seq], [target])
-            self._fork_children(seq, n, plan)
+            grows.append((seq, n, target))
+            pending += need
             plan.scheduled.append((seq, n))
             budget -= n
             i += 1
@@ -168,17 +167,17 @@ class Scheduler:
             n = self._chunk(seq.num_tokens - cached, budget)
             revived = sum(int(kv.ref(b) == 0) for b, _ in hits)  # taken back from the free queue
             need = kv.num_blocks_for(cached + n) - len(hits) + revived + self._fork_blocks(seq, n, cached)
-            if need > kv.num_free:
+            if need + pending > kv.num_free:
                 break
             self.waiting.popleft()
             budget -= n
             seq.slot = heapq.heappop(self.free_slot_ids)
             for child in seq.children:
                 child.slot = heapq.heappop(self.free_slot_ids)
-            kv.share(seq.slot, [b for b, _ in hits], [v for _, v in hits])
+            kv.share(seq.slot, [b for b, _ in hits], [v for _, v in hits])  # the revived ones leave the queue now
             seq.status, seq.num_computed, seq.prefill_end = Status.RUNNING, cached, seq.num_tokens
-            kv.grow([seq], [cached + n])
-            self._fork_children(seq, n, plan)
+            grows.append((seq, n, cached + n))
+            pending += need - revived
             if swapped:
                 plan.swap_in.append((seq.slot, seq.host_blocks, 0))
                 self.host.release(seq)
@@ -195,6 +194,9 @@ class Scheduler:
             plan.scheduled.append((seq, n))
             self.running.append(seq)
 
+        kv.grow([seq for seq, _, _ in grows], [target for _, _, target in grows])
+        for seq, n, _ in grows:
+            self._fork_children(seq, n, plan)
         if not plan.scheduled and self.waiting:  # nothing runs and nothing will free a block
             stuck = self.waiting[0].request.request_id
             raise RuntimeError(f"internal error: nothing can run, request {stuck!r} waits forever")
@@ -210,8 +212,8 @@ class Scheduler:
         return plan
 
     def _fork_children(self, seq: Sequence, n: int, plan: Plan) -> None:
-        """When this chunk completes the prompt of `seq`, its parallel samples fork from it now (the
-        blocks `_fork_blocks` counted), before a later admission can take them."""
+        """When this chunk completes the prompt of `seq`, its parallel samples fork from it (the
+        blocks `_fork_blocks` counted, which no admission of this plan could take)."""
         if not (seq.children and seq.num_computed + n == seq.num_tokens):
             return
         for child in seq.children:
@@ -244,7 +246,6 @@ class Scheduler:
         return self.kv_manager.reset_prefix_cache()
 
     def stats(self) -> dict:
-        """The pool's, the prefix cache's and the queues' numbers (LLMEngine.stats reports them)."""
         return dict(**self.kv_manager.stats(), num_preemptions=self.num_preemptions,
                     num_recomputed_tokens=self.num_recomputed_tokens,
                     num_requests_running=len(self.running), num_requests_waiting=len(self.waiting))
