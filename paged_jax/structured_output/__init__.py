@@ -1,0 +1,26 @@
+"""Structured output (JSON schema, regex, choice, grammar) through llguidance.
+
+    params.py        StructuredOutputsParams (vLLM's) and from_openai_request
+    grammar.py       specs -> llguidance grammars; validate; GrammarCompiler (worker thread, cache)
+    tokenizer.py     the project's tokenizer as an llguidance.LLTokenizer; bitmask sizes
+    matcher.py       a request's Matcher, fill_bitmasks for a batch, apply_token_bitmask (jax)
+
+The names below load on first use: parsing requests (params) does not load llguidance.
+"""
+import importlib
+
+_EXPORTS = {
+    "StructuredOutputsParams": "params", "from_openai_request": "params",
+    "GrammarCompiler": "grammar", "CompiledGrammar": "grammar", "validate": "grammar",
+    "ll_tokenizer": "tokenizer", "allocate_bitmask": "tokenizer", "bitmask_words": "tokenizer",
+    "Matcher": "matcher", "fill_bitmasks": "matcher", "apply_token_bitmask": "matcher",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
