@@ -1,11 +1,14 @@
-"""Structured output (JSON schema, regex, choice, grammar) through llguidance.
+"""Structured output (JSON schema, regex, choice, grammar) through llguidance, and tool calling.
 
     params.py        StructuredOutputsParams (vLLM's) and from_openai_request
     grammar.py       specs -> llguidance grammars; validate; GrammarCompiler (worker thread, cache)
     tokenizer.py     the project's tokenizer as an llguidance.LLTokenizer; bitmask sizes
     matcher.py       a request's Matcher, fill_bitmasks for a batch, apply_token_bitmask (jax)
+    tool_parsers.py  hermes / llama3_json tool calls, whole or streamed as OpenAI deltas
+    json_prefix.py   where a JSON object's values are in text that stops partway through it
 
-The names below load on first use: parsing requests (params) does not load llguidance.
+The names below load on first use: parsing requests (params) and tool calls (tool_parsers) does
+not load llguidance.
 """
 import importlib
 
@@ -14,6 +17,7 @@ _EXPORTS = {
     "GrammarCompiler": "grammar", "CompiledGrammar": "grammar", "validate": "grammar",
     "ll_tokenizer": "tokenizer", "allocate_bitmask": "tokenizer", "bitmask_words": "tokenizer",
     "Matcher": "matcher", "fill_bitmasks": "matcher", "apply_token_bitmask": "matcher",
+    "ToolCall": "tool_parsers", "get_tool_parser": "tool_parsers",
 }
 __all__ = list(_EXPORTS)
 
