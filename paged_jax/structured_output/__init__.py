@@ -6,6 +6,7 @@
     matcher.py       a request's Matcher, fill_bitmasks for a batch, apply_token_bitmask (jax)
     tool_parsers.py  hermes / llama3_json tool calls, whole or streamed as OpenAI deltas
     json_prefix.py   where a JSON object's values are in text that stops partway through it
+    tool_grammar.py  tool_choice "required" / named as structured output, and back to calls
 
 The names below load on first use: parsing requests (params) and tool calls (tool_parsers) does
 not load llguidance.
@@ -18,6 +19,8 @@ _EXPORTS = {
     "ll_tokenizer": "tokenizer", "allocate_bitmask": "tokenizer", "bitmask_words": "tokenizer",
     "Matcher": "matcher", "fill_bitmasks": "matcher", "apply_token_bitmask": "matcher",
     "ToolCall": "tool_parsers", "get_tool_parser": "tool_parsers",
+    "tool_choice_structured_outputs": "tool_grammar", "parse_tool_choice_output": "tool_grammar",
+    "validate_tools": "tool_grammar",
 }
 __all__ = list(_EXPORTS)
 

@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from paged_jax.structured_output import grammar, matcher, params, tokenizer
+from paged_jax.structured_output import grammar, matcher, params, tokenizer, tool_grammar
 from paged_jax.structured_output.params import StructuredOutputsParams as SOP
 
 EOS = 2  # SmolLM2-Instruct's <|im_end|>
@@ -338,6 +338,17 @@ def test_fill_bitmasks_matches_row_by_row(tok, compiler):
         np.testing.assert_array_equal(batch[row], expected)
     with pytest.raises(ValueError, match="bitmask must be a writeable C-contiguous int32"):
         matcher.fill_bitmasks(matchers, np.zeros((32, words), np.int64))
+
+
+def test_tool_choice_required_schema_constrains_generation(tok, compiler):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+             {"type": "function", "function": {"name": "ping"}}]
+    compiled = compiler.compile(tool_grammar.tool_choice_structured_outputs(tools, "required"))
+    text = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "ping", "parameters": {}}]'
+    assert walk(tok, compiled, text).is_finished
+    m = matcher.Matcher(compiled)
+    assert not m.accept(ids(tok, '[{"name": "get_time"'))
 
 
 # --- vocabulary sizes and the device-side mask ---------------------------------------------------

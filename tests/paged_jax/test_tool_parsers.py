@@ -1,10 +1,14 @@
-"""Tool-call parsers, whole text and streamed deltas, checked against hand-written expected calls."""
+"""Tool-call parsers (whole text and streamed deltas) and the tool_choice schemas, checked against
+hand-written expected calls and, for the schemas, against jsonschema."""
 import random
 import re
 
+import jsonschema
 import pytest
 
+from paged_jax.structured_output import tool_grammar
 from paged_jax.structured_output.json_prefix import scan_object
+from paged_jax.structured_output.params import StructuredOutputsParams
 from paged_jax.structured_output.tool_parsers import fold_deltas, get_tool_parser
 
 ID = re.compile(r"^chatcmpl-tool-[0-9a-f]{32}$")
@@ -145,3 +149,100 @@ def test_json_prefix_scan():
     closed = scan_object(text + "}  ")
     assert closed.values["n"] == (37, 39) and closed.end == 40 and closed.error is None
     assert scan_object('  {"a" 1}').error == 7 and scan_object("[1]").error == 0
+
+
+# --- tool_choice as structured output ------------------------------------------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                                 "days": {"type": "integer"}},
+                               "required": ["city"]}}}
+PING_TOOL = {"type": "function", "function": {"name": "ping"}}
+
+
+def test_required_schema():
+    schema = tool_grammar.required_schema(tool_grammar.validate_tools([WEATHER_TOOL, PING_TOOL]))
+    assert schema == {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+        {"properties": {"name": {"type": "string", "enum": ["get_weather"]},
+                        "parameters": WEATHER_TOOL["function"]["parameters"]},
+         "required": ["name", "parameters"]},
+        {"properties": {"name": {"type": "string", "enum": ["ping"]},
+                        "parameters": {"type": "object", "properties": {}}},
+         "required": ["name", "parameters"]}]}}
+    params = tool_grammar.tool_choice_structured_outputs([WEATHER_TOOL, PING_TOOL], "required")
+    assert params == StructuredOutputsParams(json=schema)
+    jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}},
+                         {"name": "ping", "parameters": {}}], schema)
+    for bad in ([], [{"name": "get_time", "parameters": {}}],
+                [{"name": "get_weather", "parameters": {"days": 2}}],
+                [{"name": "get_weather", "parameters": {"city": "Oslo", "days": "two"}}],
+                [{"name": "ping"}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+
+
+def test_required_schema_moves_defs_to_the_root():
+    unit = {"enum": ["c", "f"]}
+    tools = [{"type": "function", "function": {"name": "t", "parameters": {
+        "type": "object", "properties": {"u": {"$ref": "#/$defs/Unit"}}, "$defs": {"Unit": unit}}}},
+             {"type": "function", "function": {"name": "s", "parameters": {
+                 "type": "object", "properties": {"v": {"$ref": "#/$defs/Unit"}}, "$defs": {"Unit": unit}}}}]
+    schema = tool_grammar.required_schema(tool_grammar.validate_tools(tools))
+    assert schema["$defs"] == {"Unit": unit} and "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    assert "$defs" in tools[0]["function"]["parameters"]  # the request is not modified
+    jsonschema.validate([{"name": "t", "parameters": {"u": "c"}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "s", "parameters": {"v": "k"}}], schema)
+    tools[1]["function"]["parameters"]["$defs"] = {"Unit": {"enum": ["k"]}}
+    with pytest.raises(ValueError, match=r"^tools\[1\].function.parameters.\$defs.Unit: differs"):
+        tool_grammar.required_schema(tool_grammar.validate_tools(tools))
+
+
+def test_named_function_schema_is_its_parameters():
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    params = tool_grammar.tool_choice_structured_outputs([PING_TOOL, WEATHER_TOOL], choice)
+    assert params == StructuredOutputsParams(json=WEATHER_TOOL["function"]["parameters"])
+    jsonschema.validate({"city": "Oslo"}, params.json)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"days": 1}, params.json)
+    for choice in ("auto", "none", None):
+        assert tool_grammar.tool_choice_structured_outputs([WEATHER_TOOL], choice) is None
+
+
+def test_constrained_output_back_to_calls():
+    content, calls = calls_of(tool_grammar.parse_tool_choice_output(
+        '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "ping", "parameters": {}}]', "required"))
+    assert content is None and calls == [("get_weather", '{"city": "Oslo"}'), ("ping", "{}")]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert calls_of(tool_grammar.parse_tool_choice_output(' {"city": "Oslo"}\n', named)) == (
+        None, [("get_weather", '{"city": "Oslo"}')])
+    cut = '[{"name": "get_weather", "parameters": {"ci'
+    assert tool_grammar.parse_tool_choice_output(cut, "required") == (cut, [])
+    assert tool_grammar.parse_tool_choice_output("[]", "required") == ("[]", [])
+
+
+@pytest.mark.parametrize("tools, choice, message", [
+    (None, "required", r"^tools: must be a non-empty list"),
+    ([], "required", r"^tools: must be a non-empty list"),
+    (["get_weather"], "required", r"^tools\[0\]: must be an object"),
+    ([{"type": "retrieval"}], "required", r"^tools\[0\].type: must be 'function', got 'retrieval'"),
+    ([WEATHER_TOOL, {"type": "function"}], "required", r"^tools\[1\].function: must be an object"),
+    ([WEATHER_TOOL, {"type": "function", "function": {"name": ""}}], "required",
+     r"^tools\[1\].function.name: must be a non-empty string"),
+    ([WEATHER_TOOL, {"type": "function", "function": {"parameters": {}}}], "required", r"^tools\[1\].function.name: "),
+    ([WEATHER_TOOL, WEATHER_TOOL], "required",
+     r"^tools\[1\].function.name: 'get_weather' is also the name of tools\[0\]"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], "required",
+     r"^tools\[0\].function.parameters: must be a JSON schema of type 'object'"),
+    ([PING_TOOL, {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "bogus"}}}}}], "required",
+     r"^tools\[1\].function.parameters: invalid JSON schema: .*bogus"),
+    ([WEATHER_TOOL], {"type": "function", "function": {"name": "get_time"}},
+     r"^tool_choice.function.name: 'get_time' is not one of the tools \(get_weather\)"),
+    ([WEATHER_TOOL], {"type": "function"}, r"^tool_choice.function.name: must be a string"),
+    ([WEATHER_TOOL], {"type": "tool", "function": {"name": "get_weather"}}, r"^tool_choice.type: must be 'function'"),
+    ([WEATHER_TOOL], "sometimes", r"^tool_choice: must be 'none', 'auto', 'required'"),
+])
+def test_bad_tools_name_the_field(tools, choice, message):
+    with pytest.raises(ValueError, match=message):
+        tool_grammar.tool_choice_structured_outputs(tools, choice)
