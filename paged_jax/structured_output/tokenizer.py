@@ -22,14 +22,15 @@ def ll_tokenizer(tokenizer, vocab_size: int | None = None) -> llguidance.LLToken
     num_tokens = hf.get_vocab_size(with_added_tokens=True)
     if vocab_size is not None and vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-    # Padding and truncation are settings for batched encoding; llguidance's own tokenize calls
-    # must see whole texts (llguidance.hf clears them on a copy for the same reason).
-    spec = json.loads(hf.to_str())
-    spec["padding"] = None
-    spec["truncation"] = None
+    text = hf.to_str()
+    if hf.padding is not None or hf.truncation is not None:
+        # Settings for batched encoding; llguidance's own tokenize calls must see whole texts
+        # (llguidance.hf clears them on a copy for the same reason).
+        spec = json.loads(text)
+        spec["padding"] = spec["truncation"] = None
+        text = json.dumps(spec)
     eos = [int(i) for i in getattr(tokenizer, "eos_token_ids", ()) or ()]
-    return llguidance.LLTokenizer(json.dumps(spec), n_vocab=max(num_tokens, vocab_size or 0),
-                                  eos_token=eos or None)
+    return llguidance.LLTokenizer(text, n_vocab=max(num_tokens, vocab_size or 0), eos_token=eos or None)
 
 
 def bitmask_words(vocab_size: int) -> int:

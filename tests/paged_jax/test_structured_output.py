@@ -6,6 +6,7 @@ import threading
 
 import numpy as np
 import pytest
+import tokenizers
 
 from paged_jax.structured_output import grammar, matcher, params, tokenizer, tool_grammar
 from paged_jax.structured_output.params import StructuredOutputsParams as SOP
@@ -365,6 +366,15 @@ def test_model_vocab_past_the_tokenizer_is_masked(tok):
     logits = np.zeros((1, vocab), np.float32)
     masked = np.asarray(matcher.apply_token_bitmask(logits, row[None]))
     assert np.all(masked[0, TOKENIZER_VOCAB:] == -np.inf) and masked[0, ids(tok, "a")[0]] == 0
+
+
+def test_padding_and_truncation_do_not_reach_llguidance(tok, ll):
+    padded = tokenizers.Tokenizer.from_str(tok.tokenizer.to_str())
+    padded.enable_padding(length=64)
+    padded.enable_truncation(3)
+    text = "a text of more than three tokens"
+    assert ll.tokenize_str(text) == tokenizer.ll_tokenizer(padded).tokenize_str(text) == ids(tok, text)
+    assert len(ids(tok, text)) > 3
 
 
 def test_apply_token_bitmask_matches_the_numpy_reference():
