@@ -4,6 +4,7 @@
     grammar.py       specs -> llguidance grammars; validate; GrammarCompiler (worker thread, cache)
     tokenizer.py     the project's tokenizer as an llguidance.LLTokenizer; bitmask sizes
     matcher.py       a request's Matcher, fill_bitmasks for a batch, apply_token_bitmask (jax)
+    tool_calls.py    a tool call, and the stream of OpenAI deltas every format builds on
     tool_parsers.py  hermes / llama3_json tool calls, whole or streamed as OpenAI deltas
     json_prefix.py   where a JSON object's values are in text that stops partway through it
     tool_grammar.py  tool_choice "required" / named as structured output, and back to calls
@@ -18,7 +19,7 @@ _EXPORTS = {
     "GrammarCompiler": "grammar", "CompiledGrammar": "grammar", "validate": "grammar",
     "ll_tokenizer": "tokenizer", "allocate_bitmask": "tokenizer", "bitmask_words": "tokenizer",
     "Matcher": "matcher", "fill_bitmasks": "matcher", "apply_token_bitmask": "matcher",
-    "ToolCall": "tool_parsers", "get_tool_parser": "tool_parsers",
+    "ToolCall": "tool_calls", "get_tool_parser": "tool_parsers",
     "tool_choice_structured_outputs": "tool_grammar", "parse_tool_choice_output": "tool_grammar",
     "validate_tools": "tool_grammar",
 }

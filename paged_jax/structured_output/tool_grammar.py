@@ -14,7 +14,7 @@ import json
 
 from paged_jax.structured_output import grammar
 from paged_jax.structured_output.params import StructuredOutputsParams
-from paged_jax.structured_output.tool_parsers import ToolCall, make_tool_call_id
+from paged_jax.structured_output.tool_calls import ToolCall, make_tool_call_id
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 _DEFS_KEYS = ("$defs", "definitions")  # draft 2019+ and draft-07 homes of "$ref": "#/..." targets
