@@ -3,6 +3,7 @@
 OpenAI's chat-completion tool-call deltas (`ToolCallStream`, `CallDeltas`)."""
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 import uuid
@@ -103,7 +104,7 @@ class CallDeltas:
         return out
 
 
-class ToolCallStream:
+class ToolCallStream(abc.ABC):
     """feed(text delta) -> deltas; finish() -> the last deltas. Deltas are OpenAI's
     `choices[i].delta` dicts: {"content": ...} or {"tool_calls": [...]}.
 
@@ -136,11 +137,13 @@ class ToolCallStream:
         self._pending_space = ""
         return out
 
+    @abc.abstractmethod
     def feed(self, delta: str) -> list[dict]:
-        raise NotImplementedError
+        """The deltas this text delta completes."""
 
+    @abc.abstractmethod
     def finish(self) -> list[dict]:
-        raise NotImplementedError
+        """The deltas held back until the text ended."""
 
 
 def partial_suffix(text: str, tag: str) -> int:
