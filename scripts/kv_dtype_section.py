@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from paged_jax import LLM, SamplingParams
-from paged_jax.entrypoints.llm import load_model
 from paged_jax.attention import bytes_per_block
+from paged_jax.entrypoints.llm import load_model
 from pallas_kernels.quantization import KV_CACHE_DTYPES, storage_dtype
 from scripts import benchlib, fetch_model
 

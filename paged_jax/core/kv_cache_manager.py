@@ -154,17 +154,16 @@ class KVCacheManager:
     def grow(self, seqs: list[Sequence], new_lens: list[int]) -> None:
         """Grow the sequences' slots; the cached blocks handed out lose their prefix-cache entries
         (the host tier keeps a copy of each first)."""
-        if not seqs:
-            return
-        self.host.keep_evicted(self.next_evictions(
-            sum(max(0, self.num_blocks_for(n) - self.num_blocks_of(s.slot)) for s, n in zip(seqs, new_lens))),
-            self.prefix_cache)
-        self.prefix_cache.evict(self.allocate([s.slot for s in seqs], new_lens))
+        if seqs:
+            self._forget(self.allocate([s.slot for s in seqs], new_lens))
 
     def evict_next_block(self) -> None:
-        """The next block handed out (a fork's tail copy) loses its prefix-cache entry; the host
-        tier keeps a copy first."""
-        evicted = self.next_evictions(1)
+        """The next block handed out (a fork's tail copy) loses its prefix-cache entry."""
+        self._forget(self.next_evictions(1))
+
+    def _forget(self, evicted: list[int]) -> None:
+        """Cached blocks handed out again: the host tier keeps a copy (their hashes are read before
+        the entries go), then the prefix cache drops them."""
         self.host.keep_evicted(evicted, self.prefix_cache)
         self.prefix_cache.evict(evicted)
 

@@ -17,12 +17,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from paged_jax.attention import cache_layout, check_kv_cache_dtype
 from paged_jax.core.plan import Plan
 from paged_jax.core.sequence import Request, Sequence
 from paged_jax.engine import config as config_lib
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker import batching, runner, sharding, swap
-from paged_jax.attention import cache_layout, check_kv_cache_dtype
 
 
 @dataclasses.dataclass(frozen=True)

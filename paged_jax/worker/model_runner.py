@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax.attention import cache_layout
 from paged_jax.core.model_output import ModelOutput
 from paged_jax.core.plan import Plan
 from paged_jax.sampling_params import SAMPLING_EPS
 from paged_jax.worker import batching, programs, runner, sampler, sharding, swap
-from paged_jax.attention import cache_layout
 
 
 @dataclasses.dataclass

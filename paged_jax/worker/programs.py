@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from paged_jax.worker import batching, runner
 from paged_jax.attention import cache_layout
+from paged_jax.worker import batching, runner
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,9 +21,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from paged_jax.attention import AttentionMetadata, KVCache, copy_blocks
 from paged_jax.core.model_output import ModelOutput, PromptLogprobs
 from paged_jax.worker import sampler, swap
-from paged_jax.attention import AttentionMetadata, KVCache, copy_blocks
 from paged_jax.worker.batching import DecodeBatch, PrefillBatch
 
 

@@ -91,7 +91,7 @@ class Serving:
             self.preparing -= count
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         response = ChoicesResponse(self, request_id, chat, params.n, prompts, options,
-                             token_ids_as_tokens=field(body, "return_tokens_as_token_ids", bool, False))
+                                   token_ids_as_tokens=field(body, "return_tokens_as_token_ids", bool, False))
         try:
             streams = self.llm.generate_many([(f"{request_id}-{i}", ids) for i, ids in enumerate(prompts)],
                                              params, cache_salt=options.cache_salt)
