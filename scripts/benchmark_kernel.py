@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -148,7 +149,14 @@ def main():
         kv_bytes = 2 * args.batch * context * args.num_kv_heads * args.head_dim * q.dtype.itemsize
         expected = None
         for name, fn in methods(gpu, jax_paged_attention, no_mosaic is None).items():
-            compile_s, ms, out = timed(fn, inputs, args.iters)
+            try:
+                compile_s, ms, out = timed(fn, inputs, args.iters)
+            except Exception as e:  # one method failing must not hide the others' figures
+                error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                rows.append(dict(method=name, context=context, error=error))
+                print(f"{name:40} {context:7} failed: {error}")
+                traceback.print_exc(limit=-8)
+                continue
             out = np.asarray(out, np.float32)
             expected = out if expected is None else expected
             tb_s = kv_bytes / (ms * 1e-3) / 1e12
@@ -157,8 +165,9 @@ def main():
                              compile_s=compile_s, max_err_vs_first=err))
             print(f"{name:40} {context:7} {ms:9.3f} {tb_s:8.3g} {tb_s / copy:8.1%} "
                   f"{compile_s:9.2f} {err:20.1e}")
-        ms = {row["method"].split(" (")[0]: row["ms"] for row in rows if row["context"] == context}
-        if MOSAIC in ms:
+        ms = {row["method"].split(" (")[0]: row["ms"] for row in rows
+              if row["context"] == context and "ms" in row}
+        if MOSAIC in ms and "paged-jax" in ms:
             print(f"{'':40} {context:7} mosaic gpu {ms['paged-jax'] / ms[MOSAIC]:.2f}x our triton")
     result = dict(device=jax.devices()[0].device_kind, smoke=not gpu, dtype=jnp.dtype(dtype).name,
                   batch=args.batch, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
@@ -167,6 +176,7 @@ def main():
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}")
+    sys.exit(1 if any("error" in row for row in rows) else 0)
 
 
 if __name__ == "__main__":
