@@ -30,7 +30,8 @@ REGISTERS_PER_SM = 65536
 THREADS = 128  # one warpgroup per program
 # (kind, dtype, kv_dtype, head_dim, block_size, soft_cap, sliding_window, group): each dtype,
 # page dtype and head_dim the kernel takes, plain and with both options (they add code to the
-# inner loop); block sizes 8 and 16 issue 8 and 4 copies per step, 128 one 64-row slice. Both
+# inner loop); block sizes 8 and 16 issue 8 and 4 copies per step, 128 one 64-row slice; int8 and
+# fp8 pages at block_size 32, the least they take (support.MIN_QUANTIZED_BLOCK_SIZE). Both
 # wrappers launch the same kernel (the group is a constant in its row arithmetic), so ragged needs
 # fewer rows.
 VARIANTS = [
@@ -42,18 +43,18 @@ VARIANTS = [
     ("decode", "bfloat16", "bfloat16", 128, 128, 0, 0, 1),
     ("decode", "float16", "float16", 64, 128, 30.0, 4096, 4),
     ("decode", "float16", "float16", 128, 16, 0, 0, 8),
-    ("decode", "bfloat16", "int8", 128, 16, 0, 0, 8),
-    ("decode", "bfloat16", "float8_e4m3fn", 64, 16, 30.0, 4096, 4),
+    ("decode", "bfloat16", "int8", 128, 32, 0, 0, 8),
+    ("decode", "bfloat16", "float8_e4m3fn", 64, 32, 30.0, 4096, 4),
     ("ragged", "bfloat16", "bfloat16", 128, 16, 0, 0, 4),
     ("ragged", "float16", "float16", 64, 8, 30.0, 4096, 8),
-    ("ragged", "bfloat16", "int8", 128, 16, 0, 0, 4),
+    ("ragged", "bfloat16", "int8", 128, 32, 0, 0, 4),
     ("ragged", "bfloat16", "bfloat16", 256, 16, 50.0, 4096, 2),
 ]
 # H100 and H200 are both sm_90a (the same code; their target configs differ in memory and clocks),
-# so H200 compiles decode at the benchmark's head_dim and block size (128, 16) in each dtype, H100
-# every variant.
+# so H200 compiles decode at the benchmark's head_dim (128, block size 16; 32 for int8) in each
+# dtype, H100 every variant.
 BUILDS = ([("h100", v) for v in VARIANTS]
-          + [("h200", v) for v in VARIANTS if v[0] == "decode" and v[3:5] == (128, 16)])
+          + [("h200", v) for v in VARIANTS if v[0] == "decode" and v[3] == 128 and v[4] in (16, 32)])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,10 @@ AVAILABLE = UNAVAILABLE is None
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # WGMMA's 16-bit inputs
 HEAD_DIMS = (64, 128, 256)  # 256: two programs per (tile, KV head), see kernel.PV_COLS
 MIN_BLOCK_SIZE = 8  # a TMA copy of a page is whole 8-row tiles of its swizzled shared-memory layout
+# With int8/fp8 pages each block's f32 scales are one TMA copy into shared memory, and a TMA copy's
+# shared-memory address must be 128-byte aligned: 32 scales. At block_size 16 every other copy
+# landed 64 bytes off, and an H200 stopped the kernel with CUDA_ERROR_MISALIGNED_ADDRESS.
+MIN_QUANTIZED_BLOCK_SIZE = 128 // 4
 
 
 def supports(dtype, head_dim: int, block_size: int, kv_dtype=None) -> str | None:
@@ -45,6 +49,9 @@ def supports(dtype, head_dim: int, block_size: int, kv_dtype=None) -> str | None
         return f"{kv_dtype} pages are read at head_dim <= 128, got {head_dim}"
     if block_size < MIN_BLOCK_SIZE or block_size & (block_size - 1):
         return f"block_size must be a power of two >= {MIN_BLOCK_SIZE}, got {block_size}"
+    if quantization.is_quantized(kv_dtype) and block_size < MIN_QUANTIZED_BLOCK_SIZE:
+        return (f"{kv_dtype} pages need block_size >= {MIN_QUANTIZED_BLOCK_SIZE} (a block's f32 "
+                f"scales are one 128-byte-aligned TMA copy), got {block_size}")
     return None
 
 

@@ -157,7 +157,7 @@ class QuantizedCases:
     @pytest.mark.parametrize("storage", [jnp.int8, jnp.float8_e4m3fn])
     def test_decode(self, storage):
         lens = [1, 15, 64, 65, 150, 0]
-        batch = make_batch(8, lens, [1] * len(lens), group=8, head_dim=128, block_size=16,
+        batch = make_batch(8, lens, [1] * len(lens), group=8, head_dim=128, block_size=32,
                            dtype=BF16)
         inputs, dequantized = quantized(batch, storage, sliding_window=100)
         out = mosaic.paged_attention_mosaic(
@@ -166,7 +166,7 @@ class QuantizedCases:
         assert rel_err(out, dense_attention(dequantized, sliding_window=100)) <= TOL[BF16]
 
     def test_ragged_int8(self):
-        batch = make_batch(9, [77, 24, 1], [7, 24, 1], group=4, head_dim=64, block_size=8,
+        batch = make_batch(9, [77, 24, 1], [7, 24, 1], group=4, head_dim=64, block_size=32,
                            dtype=F16)
         inputs, dequantized = quantized(batch, jnp.int8)
         out = mosaic.ragged_paged_attention_mosaic(
@@ -197,9 +197,15 @@ def test_rejects_what_it_does_not_take(change, message):
         mosaic.paged_attention_mosaic(*(batch[n] for n in NAMES), interpret=True)
 
 
-def test_rejects_quantized_pages_at_head_dim_256():
-    batch = make_batch(3, [5], [1], head_dim=256, dtype=BF16)
+@pytest.mark.parametrize("head_dim,block_size,message", [
+    (256, 32, "int8 pages are read at head_dim <= 128, got 256"),
+    # a block's scales are one TMA copy, 128-byte aligned in shared memory (an H200 faulted at 16)
+    (64, 16, r"int8 pages need block_size >= 32 \(a block's f32 scales are one 128-byte-aligned "
+             r"TMA copy\), got 16"),
+])
+def test_rejects_quantized_pages_it_cannot_read(head_dim, block_size, message):
+    batch = make_batch(3, [5], [1], head_dim=head_dim, block_size=block_size, dtype=BF16)
     inputs, _ = quantized(batch, jnp.int8)
-    with pytest.raises(ValueError, match="int8 pages are read at head_dim <= 128, got 256"):
+    with pytest.raises(ValueError, match=message):
         mosaic.paged_attention_mosaic(*(inputs[n] for n in NAMES), k_scales=inputs["k_scales"],
                                       v_scales=inputs["v_scales"], interpret=True)
