@@ -46,13 +46,21 @@ def main():
                                 max_model_len=args.max_model_len)
     print(engine.config.describe())
     print(f"{'program':38} {'model ms':>9} {'measured ms':>11} {'ratio':>6}")
+    failed = []
     for program in gpu_programs.engine_programs(engine, args.programs):
         if not program.steps:
             continue
         estimate = gpu_compile.roofline_seconds(engine, spec, tokens=program.tokens, kv_tokens=program.kv_tokens,
                                                 steps=program.steps)
-        measured = gpu_compile.run_seconds(engine, program, args.runs)
+        try:
+            measured, _ = gpu_compile.run_timed(engine, program, args.runs)
+        except Exception as e:  # one program failing (out of memory, say) must not hide the rest
+            failed.append(program.name)
+            print(f"{program.name:38} {estimate * 1e3:9.2f} failed: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:200] if str(e) else ''}", flush=True)
+            continue
         print(f"{program.name:38} {estimate * 1e3:9.2f} {measured * 1e3:11.2f} {measured / estimate:6.2f}", flush=True)
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import tempfile
 import time
 
 import jax
+import numpy as np
 
 from pallas_kernels import gpu_target
 
@@ -96,10 +97,13 @@ def roofline_seconds(engine, spec: gpu_target.GpuSpec, *, tokens: int, kv_tokens
     return steps * max(compute, memory)
 
 
-def run_seconds(engine, program, runs: int = 5) -> float:
-    """On a real GPU (engine built on jax.devices()): the median seconds of one call of `program`
-    on zero weights and KV pages, through its batch's block tables (so attention reads the contexts
-    the roofline counts), after a first call that compiles."""
+def run_timed(engine, program, runs: int = 5):
+    """On a real GPU (engine built on jax.devices()): -> (the median seconds of one call of
+    `program`, its last output on the host without the state, or None), after a first call that
+    compiles. Nothing of the call stays on the device: a kept state would hold a second KV pool
+    while the next program allocates its own. Zero weights and KV pages; the
+    batch is the program's own (`program.values`), so the rows are live, the decode loop runs its
+    steps and attention reads the contexts the roofline counts through the batch's block tables."""
     from paged_jax.worker import runner
 
     def zeros(x):  # a ShapeDtypeStruct -> zeros where it is placed; anything else (graphdef) as is
@@ -107,7 +111,12 @@ def run_seconds(engine, program, runs: int = 5) -> float:
             return x
         return jax.jit(lambda: jax.numpy.zeros(x.shape, x.dtype), out_shardings=x.sharding)()
 
-    args = [a if isinstance(a, runner.DeviceState) else jax.tree.map(zeros, a) for a in program.args]
+    def put(value, abstract):  # the host's batch where its abstract twin is placed
+        return jax.tree.map(lambda v, a: jax.device_put(np.asarray(v), a.sharding), value, abstract)
+
+    values = program.values or (None,) * len(program.args)
+    args = [a if isinstance(a, runner.DeviceState) else put(v, a) if v is not None else jax.tree.map(zeros, a)
+            for a, v in zip(program.args, values)]
     for i, a in enumerate(args):
         if isinstance(a, runner.DeviceState):
             args[i] = runner.DeviceState(cache=jax.tree.map(zeros, a.cache), output_counts=zeros(a.output_counts),
@@ -120,4 +129,6 @@ def run_seconds(engine, program, runs: int = 5) -> float:
         times.append(time.perf_counter() - start)
         if state_at is not None:  # the state was donated: the next call takes the returned one
             args[state_at] = out[0] if isinstance(out, tuple) else out
-    return sorted(times[1:])[runs // 2]
+    result = jax.device_get(out[1]) if isinstance(out, tuple) and len(out) > 1 else None
+    del args, out
+    return sorted(times[1:])[runs // 2], result

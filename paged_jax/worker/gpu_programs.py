@@ -51,6 +51,9 @@ class Program:
     fn: Callable  # a jitted entry point
     args: tuple  # abstract (ShapeDtypeStruct leaves, placed)
     static: dict  # its static keyword arguments
+    # The host's values of the batch arguments (None for the weights and the cache), for a timed
+    # run: zeros for them would make every row dead and the decode loop run no step.
+    values: tuple = ()
     # The model work one call does, for a roofline (XLA's cost analysis counts a loop body once):
     steps: int = 0  # forwards through the model
     tokens: int = 0  # tokens each forward computes
@@ -143,8 +146,9 @@ def _state(engine, *, penalties=False) -> runner.DeviceState:
 
 
 def _sequences(lengths, slot_offset=0) -> list[Sequence]:
-    """Running sequences of these token counts (one sampled token each so far)."""
-    request = Request("synthetic", None, [], SamplingParams(temperature=1.0), 0.0)
+    """Running sequences of these token counts (one sampled token each so far), which stop only at
+    max_model_len, so a timed decode call runs each row for all its steps."""
+    request = Request("synthetic", None, [], SamplingParams(temperature=1.0, max_tokens=None), 0.0)
     seqs = [Sequence(request, 0, [0] * n, np.zeros(2, np.uint32)) for n in lengths]
     for i, seq in enumerate(seqs):
         seq.slot = slot_offset + i
@@ -198,7 +202,8 @@ def prefill_program(engine, num_tokens: int, *, forks=False, swap_in=False) -> P
     return Program(f"prefill{label} T={batch.tokens.shape[0]} B={num_rows} W={batch.block_tables.shape[1]}",
                    runner.prefill_step, (graphdef, params, state, _replicated(engine, batch),
                                          _replicated(engine, sp), swapped), dict(flags=flags),
-                   steps=1, tokens=num_tokens, kv_tokens=int(batch.attn_seq_lens.sum()))
+                   steps=1, tokens=num_tokens, kv_tokens=int(batch.attn_seq_lens.sum()),
+                   values=(None, None, None, batch, sp, None))
 
 
 def decode_program(engine, num_rows: int, *, random=True, penalties=False) -> Program:
@@ -218,7 +223,8 @@ def decode_program(engine, num_rows: int, *, random=True, penalties=False) -> Pr
     return Program(f"decode{kind} K={c.num_decode_steps} B={num_rows} W={width}", runner.decode_steps,
                    (graphdef, params, _state(engine, penalties=penalties), _replicated(engine, batch),
                     _replicated(engine, sp)), dict(flags=flags, num_steps=c.num_decode_steps),
-                   steps=c.num_decode_steps, tokens=num_rows, kv_tokens=sum(lengths))
+                   steps=c.num_decode_steps, tokens=num_rows, kv_tokens=sum(lengths),
+                   values=(None, None, None, batch, sp))
 
 
 def pool_programs(engine) -> list[Program]:
