@@ -23,7 +23,7 @@ def test_smoke_run_writes_agreeing_rows(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["benchmark_kernel.py", "--smoke", "--out", str(out)])
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)  # the script hears jax's, none leaks
-        script.main()
+        assert script.main() == 0  # no method failed
     result = json.loads(out.read_text())
     assert result["smoke"] and result["copy_tb_s"] > 0
     assert result["tiles"] == dict(block_n=64, num_warps=8, num_stages=2)  # f32, hd64: DECODE_TILES
