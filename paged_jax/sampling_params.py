@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from paged_jax.structured_output.params import StructuredOutputsParams
+
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
 
@@ -44,6 +46,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # A JSON schema, regex, choice or grammar the output must match (vLLM's field); a dict of
+    # StructuredOutputsParams' fields is taken too.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -74,6 +79,14 @@ class SamplingParams:
             raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:  # an unknown field
+                raise ValueError(f"structured_outputs: {e}") from None
+        if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{self.structured_outputs!r}")
 
     @property
     def greedy(self) -> bool:

@@ -21,6 +21,7 @@ from paged_jax.engine import warm_up
 from paged_jax.engine.arg_utils import EngineArgs
 from paged_jax.engine.output_processor import OutputProcessor
 from paged_jax.engine.outputs import RequestOutput
+from paged_jax.engine.structured_outputs import StructuredOutputManager
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker import model_runner, sharding
 
@@ -53,6 +54,8 @@ class LLMEngine:
                np.atleast_1d(model.config.eos_token_id if model.config.eos_token_id is not None else []).tolist())
         self.eos_token_ids = tuple(int(t) for t in eos)
         self.model_runner = model_runner.ModelRunner(model, c, mesh=mesh, eos_token_ids=self.eos_token_ids)
+        self.structured_outputs = StructuredOutputManager(tokenizer, model.config.vocab_size)
+        self.model_runner.bitmask = self.structured_outputs.bitmask
         self.prefix_cache = PrefixCache(enabled=c.enable_prefix_caching)
         self.scheduler = Scheduler(
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
@@ -100,19 +103,29 @@ class LLMEngine:
             seeds = (np.random.SeedSequence(params.seed, spawn_key=(i,)) if params.seed is not None else
                      np.random.SeedSequence(self.seed, spawn_key=(1 << 31, index, i)))
             request.seqs.append(Sequence(request, i, list(ids), seeds.generate_state(2, np.uint32)))
+        error = self.unservable(ids, params)
+        constrained = params.structured_outputs is not None and error is None
+        if constrained:  # a bad grammar raises here, before anything is queued
+            self.structured_outputs.add(request)
         self.requests[request_id] = request
         self.counters["prompt_tokens"] += len(ids)
-        error = self.unservable(ids, params)
         if error:
             request.error = error
-            for seq in request.seqs:
-                seq.status = Status.FINISHED_ERROR
-            request.finish_time = now
+            self._fail(request)
             self._finished_outside_step.add(request_id)
             return
+        if not constrained:  # else the scheduler gets it once its grammar is compiled (step)
+            self._schedule(request)
+
+    def _schedule(self, request: Request) -> None:
         parent = request.seqs[0]
         parent.children = request.seqs[1:]
         self.scheduler.add(parent)
+
+    def _fail(self, request: Request) -> None:
+        for seq in request.seqs:
+            seq.status = Status.FINISHED_ERROR
+        request.finish_time = time.monotonic()
 
     def tokenize_prompt(self, prompt):
         """(text or None, token ids) of a prompt; ValueError naming what is wrong with it."""
@@ -154,6 +167,7 @@ class LLMEngine:
             request = self.requests.get(request_id)
             if request is None or request.finished:
                 continue
+            self.structured_outputs.abort(request_id)
             for seq in request.seqs:
                 self.scheduler.finish(seq, Status.FINISHED_ABORTED)
             request.finish_time = time.monotonic()
@@ -172,6 +186,13 @@ class LLMEngine:
         touched, self._finished_outside_step = self._finished_outside_step, set()
         start = time.perf_counter()
         call, self._in_flight = self._in_flight, None
+        idle = call is None and not self.scheduler.has_work
+        for request in self.structured_outputs.ready(wait=0.05 if idle else 0.0):  # grammars compiled
+            if request.error:  # it failed to compile: the request ends with the reason
+                self._fail(request)
+                touched.add(request.request_id)
+            else:
+                self._schedule(request)
         if call is not None:  # overlapped: dispatch the next decode call, then process this one
             after = self.scheduler.schedule_continuation(call.plan)
             if after is not None:
@@ -202,8 +223,11 @@ class LLMEngine:
         plan, output = call.plan, self.model_runner.fetch(call)
         progressed = self.scheduler.update_from_output(plan, output)
         stopped, num_new = self.output_processor.process_outputs(plan, output, progressed)
-        for seq in stopped:
+        complete, refused = self.structured_outputs.advance(progressed)
+        for seq in stopped + complete:
             self.scheduler.finish(seq, Status.FINISHED_STOPPED)
+        for seq in refused:
+            self.scheduler.finish(seq, Status.FINISHED_ERROR)
         self.counters["generation_tokens"] += num_new
         self._count_steps(plan, int(output.steps))
         return {seq.request.request_id for seq, _, _ in progressed}

@@ -9,13 +9,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
 
 from paged_jax.structured_output.grammar import CompiledGrammar
 from paged_jax.structured_output.tokenizer import bitmask_words
+from paged_jax.worker import sampler
 
 
 class Matcher:
@@ -157,18 +157,8 @@ def fill_bitmasks(matchers: Sequence[Matcher | None], bitmask: np.ndarray, *,
         llg_numpy.fill_next_token_bitmask_par(executor, live, bitmask)
 
 
-@jax.jit
-def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
-    """logits: f[rows, vocab]; bitmask: i32[rows, words], words * 32 >= vocab. Masked-out tokens
-    become -inf; a row of all -1 comes back unchanged. Bits past `vocab` are ignored (a tokenizer
-    vocabulary rounded up to whole words)."""
-    rows, vocab = logits.shape
-    words = bitmask.shape[-1]
-    if bitmask.shape[0] != rows or words * 32 < vocab:
-        raise ValueError(f"bitmask i32{list(bitmask.shape)} does not cover logits {list(logits.shape)}")
-    bits = jax.lax.bitcast_convert_type(bitmask, jnp.uint32)[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)
-    allowed = (bits & 1).astype(bool).reshape(rows, words * 32)[:, :vocab]  # bool[rows, vocab]
-    return jnp.where(allowed, logits, jnp.array(-jnp.inf, logits.dtype))
+# The device side lives with the sampler, which applies it; jitted here for callers outside it.
+apply_token_bitmask = jax.jit(sampler.apply_token_bitmask)
 
 
 def apply_token_bitmask_reference(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:

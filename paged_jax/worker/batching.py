@@ -180,9 +180,11 @@ def stop_ids(seq: Sequence, eos_token_ids) -> list[int]:
     return ([] if params.ignore_eos else list(eos_token_ids)) + params.stop_token_ids
 
 
-def row_params(seqs: list[Sequence], num_rows: int, eos_token_ids, max_model_len: int) -> sampler.SlotParams:
-    """The sampling parameters of each batch row (padding rows idle)."""
+def row_params(seqs: list[Sequence], num_rows: int, eos_token_ids, max_model_len: int,
+               bitmask: np.ndarray | None = None) -> sampler.SlotParams:
+    """The sampling parameters of each batch row (padding rows idle); `bitmask`: i32[num_rows,
+    words], each row's allowed next tokens (structured output), or None."""
     rows = [(s.request.params, s.key, stop_ids(s, eos_token_ids), max_model_len) for s in seqs]
     rows += [None] * (num_rows - len(rows))
     width = max([8] + [len(r[2]) for r in rows if r is not None])
-    return sampler.slot_params(rows, 1 << (width - 1).bit_length())
+    return sampler.slot_params(rows, 1 << (width - 1).bit_length(), bitmask)

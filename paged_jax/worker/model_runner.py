@@ -52,6 +52,9 @@ class ModelRunner:
         self.host_block_bytes = swap.HostKVCache.block_bytes(cache)
         self.num_host_blocks = int(c.swap_space * 2**30) // self.host_block_bytes if c.uses_host_memory else 0
         self.host_cache = swap.HostKVCache(cache, self.num_host_blocks) if self.num_host_blocks else None
+        # (seqs, num_rows) -> i32[num_rows, words] of the rows' allowed next tokens, or None: the
+        # engine's structured-output manager (engine/structured_outputs.py)
+        self.bitmask = None
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -170,7 +173,8 @@ class ModelRunner:
     # -- inputs --------------------------------------------------------------------------------
 
     def _row_params(self, seqs, num_rows):
-        return batching.row_params(seqs, num_rows, self.eos_token_ids, self.config.max_model_len)
+        bitmask = self.bitmask(seqs, num_rows) if self.bitmask is not None else None
+        return batching.row_params(seqs, num_rows, self.eos_token_ids, self.config.max_model_len, bitmask)
 
     def _flags(self, seqs) -> runner.Flags:
         params = [s.request.params for s in seqs]

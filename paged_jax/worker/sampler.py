@@ -35,15 +35,19 @@ class SlotParams:
     min_tokens: jax.Array  # i32[max_seqs]
     max_tokens: jax.Array  # i32[max_seqs]; output tokens allowed
     max_len: jax.Array  # i32[max_seqs]; prompt + output tokens allowed (max_model_len)
+    # Structured output: i32[max_seqs, ceil(vocab / 32)], bit t % 32 of word t // 32 allows token t
+    # (-1: every token); [max_seqs, 0] when no row has a grammar, so those programs stay as they were.
+    allowed: jax.Array
 
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
 
 
-def slot_params(rows: list[tuple[SamplingParams, np.ndarray, list[int], int] | None], max_stop_ids: int):
+def slot_params(rows: list[tuple[SamplingParams, np.ndarray, list[int], int] | None], max_stop_ids: int,
+                bitmask: np.ndarray | None = None):
     """Host: SlotParams from one entry per slot, (params, key u32[2], stop ids, max_len) or None for
-    an idle slot."""
+    an idle slot; `bitmask`: i32[slots, words], the tokens each row's grammar allows next, or None."""
     idle = (SamplingParams(temperature=0.0), np.zeros(2, np.uint32), [], 1)
     rows = [row or idle for row in rows]
     stop = np.full((len(rows), max_stop_ids), -1, np.int32)
@@ -57,7 +61,21 @@ def slot_params(rows: list[tuple[SamplingParams, np.ndarray, list[int], int] | N
         min_tokens=np.array([p.min_tokens for p, *_ in rows], np.int32),
         max_tokens=np.array([m if p.max_tokens is None else p.max_tokens for p, _, _, m in rows], np.int32),
         max_len=np.array([m for *_, m in rows], np.int32),
+        allowed=np.zeros((len(rows), 0), np.int32) if bitmask is None else bitmask,
     )
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """logits: f[rows, vocab]; bitmask: i32[rows, words], words * 32 >= vocab (vLLM's and
+    llguidance's layout). Masked-out tokens become -inf; a row of all -1 comes back unchanged. Bits
+    past `vocab` are ignored (a tokenizer vocabulary rounded up to whole words)."""
+    rows, vocab = logits.shape
+    words = bitmask.shape[-1]
+    if bitmask.shape[0] != rows or words * 32 < vocab:
+        raise ValueError(f"bitmask i32{list(bitmask.shape)} does not cover logits {list(logits.shape)}")
+    bits = jax.lax.bitcast_convert_type(bitmask, jnp.uint32)[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)
+    allowed = (bits & 1).astype(bool).reshape(rows, words * 32)[:, :vocab]  # bool[rows, vocab]
+    return jnp.where(allowed, logits, jnp.array(-jnp.inf, logits.dtype))
 
 
 def apply_penalties(logits, sp: SlotParams, output_counts, prompt_mask):
@@ -95,10 +113,13 @@ def sample(logits, sp: SlotParams, num_output, penalties=None, *, filters: bool,
 
     logits: f32[S, V], the model's; num_output: i32[S], output tokens the sequence has before this
     one; penalties: (output_counts i32[S, V], prompt_mask bool[S, V]) or None when no row uses them.
-    Logprobs are of the model's own distribution (vLLM V1's default "raw" logprobs). `random`
+    Logprobs are of the model's own distribution (vLLM V1's default "raw" logprobs), after the
+    grammar's mask where a row has one (as vLLM masks the logits before its sampler). `random`
     (static): some row samples with a temperature; False when every row is greedy.
     """
     logits = logits.astype(jnp.float32)
+    if sp.allowed.shape[-1]:  # static: only programs whose batch holds a grammar's row mask
+        logits = apply_token_bitmask(logits, sp.allowed)
     raw = logits  # logprob(t) = raw[t] - logsumexp(raw): one pass, no S x V log-softmax written out
     lse = jax.nn.logsumexp(raw, axis=-1)
     if penalties is not None:

@@ -1,0 +1,117 @@
+"""Structured output in the engine (vLLM V1's StructuredOutputManager).
+
+A request with `SamplingParams.structured_outputs` has its grammar checked when it is added (a bad
+one is a ValueError naming the field, and nothing is queued) and compiled on the GrammarCompiler's
+worker thread; the engine hands it to the scheduler once compiled, so other requests run meanwhile.
+Each of its sequences gets a Matcher. Before every device call the host fills the token bitmask of
+the call's constrained rows (the sampler masks their logits); after it the matchers take the
+sampled tokens, and a sequence whose grammar is complete finishes with "stop". A constrained
+request decodes one token per call (`Request.one_step_per_call`): the next mask needs the token
+before it.
+
+llguidance loads with the first constrained request: an engine that never sees one never imports it.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import weakref
+
+import numpy as np
+
+from paged_jax.core.sequence import Request, Sequence
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._compiler = None
+        self._pending: dict[str, tuple[Request, concurrent.futures.Future]] = {}  # arrival order
+        self._matchers: weakref.WeakKeyDictionary[Sequence, object] = weakref.WeakKeyDictionary()
+
+    def _grammar_compiler(self):
+        if self._compiler is None:
+            from paged_jax.structured_output import GrammarCompiler, ll_tokenizer
+
+            self._compiler = GrammarCompiler(ll_tokenizer(self.tokenizer, self.vocab_size))
+        return self._compiler
+
+    def add(self, request: Request) -> None:
+        """Check the request's grammar (ValueError naming its field) and start compiling it."""
+        from paged_jax.structured_output import validate
+
+        spec = request.params.structured_outputs
+        if self.tokenizer is None:
+            raise ValueError(f"structured_outputs ({spec.kind}) needs the model's tokenizer")
+        compiler = self._grammar_compiler()
+        validate(spec, compiler.tokenizer)
+        request.one_step_per_call = True
+        self._pending[request.request_id] = (request, compiler.submit(spec))
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def ready(self, wait: float = 0.0) -> list[Request]:
+        """The pending requests whose grammar is compiled (each sequence then has its Matcher) or
+        failed (`request.error` set), in arrival order. `wait`: seconds to wait for one when none
+        is ready (an engine with nothing else to run)."""
+        if wait and self._pending and not any(f.done() for _, f in self._pending.values()):
+            concurrent.futures.wait([f for _, f in self._pending.values()], timeout=wait,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        from paged_jax.structured_output import Matcher
+
+        done = []
+        for request_id, (request, future) in list(self._pending.items()):
+            if not future.done():
+                continue
+            del self._pending[request_id]
+            try:
+                compiled = future.result()
+            except ValueError as e:
+                request.error = str(e)
+            else:
+                for seq in request.seqs:
+                    self._matchers[seq] = Matcher(compiled)
+            done.append(request)
+        return done
+
+    def abort(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+
+    def bitmask(self, seqs: list[Sequence], num_rows: int) -> np.ndarray | None:
+        """i32[num_rows, words]: row i allows what seqs[i]'s grammar allows next (every token for a
+        row without one, or a padding row); None when no row has a grammar."""
+        matchers = [self._matchers.get(seq) for seq in seqs]
+        if not any(m is not None for m in matchers):
+            return None
+        from paged_jax.structured_output import allocate_bitmask, fill_bitmasks
+
+        mask = allocate_bitmask(num_rows, self._grammar_compiler().tokenizer.vocab_size)
+        fill_bitmasks(matchers + [None] * (num_rows - len(seqs)), mask)
+        return mask
+
+    def advance(self, progressed) -> tuple[list[Sequence], list[Sequence]]:
+        """The matchers take each sequence's new tokens (`progressed`: the scheduler's (seq, row,
+        new tokens)) -> (sequences whose grammar is complete, sequences that sampled a token their
+        grammar refused: `request.error` says which)."""
+        complete, refused = [], []
+        for seq, _, n in progressed:
+            matcher = self._matchers.get(seq)
+            if matcher is None or n == 0:
+                continue
+            tokens = seq.token_ids[seq.num_tokens - n:]
+            if not matcher.accept(tokens):
+                seq.request.error = (f"structured output: the grammar refused a sampled token of "
+                                     f"{tokens}: {matcher.error}")
+                refused.append(seq)
+            elif matcher.is_finished and not seq.finished:
+                complete.append(seq)
+        return complete, refused
+
+    def stats(self) -> dict:
+        return {} if self._compiler is None else self._compiler.stats()
+
+    def shutdown(self) -> None:
+        if self._compiler is not None:
+            self._compiler.shutdown(wait=False)

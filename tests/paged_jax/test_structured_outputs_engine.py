@@ -1,0 +1,134 @@
+"""Structured output through the engine (paged_jax/engine/structured_outputs.py): requests with
+SamplingParams.structured_outputs beside unconstrained ones, on the embedded model and on
+SmolLM2-135M-Instruct.
+
+The greedy check is independent of the engine's masking: the same model scores the output
+unconstrained (prompt_logprobs over the whole vocabulary), a fresh matcher walks the output, and each
+token must be the model's most likely among the tokens the grammar allowed at that point."""
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+
+from paged_jax import LLM, SamplingParams
+from paged_jax.structured_output import StructuredOutputsParams as Spec
+from paged_jax.structured_output import allocate_bitmask
+from paged_jax.structured_output.grammar import compile_grammar
+from paged_jax.structured_output.matcher import Matcher
+
+SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"},
+                                           "tag": {"type": "string", "maxLength": 6}},
+          "required": ["id", "tag"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("models/embedded", max_num_seqs=8, max_model_len=160, log_stats=False)
+
+
+def allowed_ids(matcher, vocab):
+    row = allocate_bitmask(1, matcher.vocab_size)[0]
+    matcher.fill_bitmask(row)
+    bits = np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab]
+    return np.flatnonzero(bits)
+
+
+@pytest.mark.parametrize("spec,check", [
+    (Spec(regex=r"[0-9]{3}-[a-z]{2,5}"), lambda text: re.fullmatch(r"[0-9]{3}-[a-z]{2,5}", text)),
+    (Spec(choice=["alpha", "beta", "gamma delta"]), lambda text: text in ("alpha", "beta", "gamma delta")),
+    (Spec(json=SCHEMA, disable_any_whitespace=True),
+     lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None),
+], ids=["regex", "choice", "json"])
+def test_greedy_tokens_are_the_models_best_allowed_ones(llm, spec, check):
+    engine = llm.engine
+    prompt = engine.tokenizer.encode("def parse(x):\n    return ")
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=spec))
+    completion = out[0].outputs[0]
+    assert completion.finish_reason == "stop"  # the grammar completed before max_tokens
+    assert check(completion.text)
+    tokens = list(completion.token_ids)
+    # Unconstrained scores of every output position: the prompt is prompt + output.
+    vocab = engine.model_config.vocab_size
+    scored = llm.generate([prompt + tokens], SamplingParams(max_tokens=1, prompt_logprobs=vocab))
+    positions = scored[0].prompt_logprobs[len(prompt):]
+    walk = Matcher(compile_grammar(spec, engine.structured_outputs._grammar_compiler().tokenizer))
+    for i, (token, entries) in enumerate(zip(tokens, positions)):
+        allowed = allowed_ids(walk, vocab)
+        best = max(allowed, key=lambda t: entries[int(t)].logprob)
+        assert token == best, f"token {i}: {token} where the model's best allowed is {best}"
+        assert walk.accept([token])
+    assert walk.is_finished
+
+
+def test_constrained_and_unconstrained_requests_share_a_batch(llm):
+    prompts = ["import os\n", "class A:\n", "x = "]
+    free = SamplingParams(temperature=0.0, max_tokens=24)
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, free)]
+    choice = Spec(choice=["yes", "no"])
+    sampled = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=8, structured_outputs=choice)
+    mixed = llm.generate(prompts + ["y = "], [free] * 3 + [sampled])
+    assert [o.outputs[0].token_ids for o in mixed[:3]] == alone  # their rows were not masked
+    assert [c.text in ("yes", "no") and c.finish_reason == "stop" for c in mixed[3].outputs] == [True] * 3
+    before = llm.engine.structured_outputs.stats()
+    again = llm.generate(["z = "], SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=choice))
+    assert again[0].outputs[0].text in ("yes", "no")
+    after = llm.engine.structured_outputs.stats()  # the same choice list: compiled once, then a hit
+    assert (after["num_compiles"], after["num_cache_hits"]) == (before["num_compiles"],
+                                                               before["num_cache_hits"] + 1)
+
+
+def test_a_bad_grammar_is_refused_before_anything_is_queued(llm):
+    engine = llm.engine
+    with pytest.raises(ValueError, match=r"^regex: invalid regex"):
+        engine.add_request("bad", "x = ", SamplingParams(structured_outputs=Spec(regex="(")))
+    with pytest.raises(ValueError, match="json: invalid JSON schema"):
+        engine.add_request("bad", "x = ", SamplingParams(structured_outputs=Spec(json={"type": "nonsense"})))
+    assert not engine.has_unfinished_requests() and "bad" not in engine.requests
+    assert engine.counters["prompt_tokens"] == 0 or engine.structured_outputs.num_pending == 0
+
+
+def test_abort_while_its_grammar_compiles(llm, monkeypatch):
+    import concurrent.futures
+
+    engine = llm.engine
+    never = concurrent.futures.Future()  # a compile that has not finished
+    monkeypatch.setattr(engine.structured_outputs._grammar_compiler(), "submit", lambda spec: never)
+    engine.add_request("slow", "x = ", SamplingParams(structured_outputs=Spec(regex="[0-9]+")))
+    engine.add_request("free", "x = ", SamplingParams(temperature=0.0, max_tokens=4))
+    outputs = engine.step()  # runs the free request; the constrained one waits for its grammar
+    assert engine.structured_outputs.num_pending == 1 and "slow" in engine.requests
+    engine.abort_request("slow")
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    finished = {o.request_id: o.outputs[0].finish_reason for o in outputs if o.finished}
+    assert finished == {"slow": "abort", "free": "length"}
+    assert engine.structured_outputs.num_pending == 0
+
+
+def test_a_grammar_needs_a_tokenizer():
+    from tests.models.model_testing import random_model, tiny_config
+
+    llm = LLM(random_model(tiny_config()), max_num_seqs=2, max_model_len=64, log_stats=False)
+    with pytest.raises(ValueError, match=r"structured_outputs \(regex\) needs the model's tokenizer"):
+        llm.engine.add_request("r", [1, 2, 3], SamplingParams(structured_outputs=Spec(regex="a")))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_smollm2_answers_in_the_schema(smollm2_gguf):
+    """A real instruction-tuned model asked, through its chat template, for a JSON object."""
+    llm = LLM(str(smollm2_gguf), max_num_seqs=2, max_model_len=256, log_stats=False)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "country": {"type": "string", "maxLength": 20}},
+              "required": ["city", "country"], "additionalProperties": False}
+    prompt = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "Name the capital of France as JSON with keys city and country."}],
+        tokenize=True)
+    params = SamplingParams(temperature=0.0, max_tokens=48,
+                            structured_outputs=Spec(json=schema, disable_any_whitespace=True))
+    out = llm.generate([prompt], params)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    answer = json.loads(out.text)
+    jsonschema.validate(answer, schema)
+    assert answer["city"] == "Paris"
