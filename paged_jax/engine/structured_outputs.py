@@ -14,6 +14,7 @@ llguidance loads with the first constrained request: an engine that never sees o
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import weakref
 
 import numpy as np
@@ -26,27 +27,33 @@ class StructuredOutputManager:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._compiler = None
+        self._lock = threading.Lock()  # a server checks grammars on its request threads
         self._pending: dict[str, tuple[Request, concurrent.futures.Future]] = {}  # arrival order
         self._matchers: weakref.WeakKeyDictionary[Sequence, object] = weakref.WeakKeyDictionary()
 
     def _grammar_compiler(self):
-        if self._compiler is None:
-            from paged_jax.structured_output import GrammarCompiler, ll_tokenizer
+        with self._lock:
+            if self._compiler is None:
+                from paged_jax.structured_output import GrammarCompiler, ll_tokenizer
 
-            self._compiler = GrammarCompiler(ll_tokenizer(self.tokenizer, self.vocab_size))
-        return self._compiler
+                self._compiler = GrammarCompiler(ll_tokenizer(self.tokenizer, self.vocab_size))
+            return self._compiler
+
+    def validate(self, spec) -> None:
+        """ValueError naming the field (json, regex, choice, grammar) when llguidance rejects the
+        StructuredOutputsParams' grammar for this model's tokenizer; well under a millisecond."""
+        from paged_jax.structured_output import validate
+
+        if self.tokenizer is None:
+            raise ValueError(f"structured_outputs ({spec.kind}) needs the model's tokenizer")
+        validate(spec, self._grammar_compiler().tokenizer)
 
     def add(self, request: Request) -> None:
         """Check the request's grammar (ValueError naming its field) and start compiling it."""
-        from paged_jax.structured_output import validate
-
         spec = request.params.structured_outputs
-        if self.tokenizer is None:
-            raise ValueError(f"structured_outputs ({spec.kind}) needs the model's tokenizer")
-        compiler = self._grammar_compiler()
-        validate(spec, compiler.tokenizer)
+        self.validate(spec)
         request.one_step_per_call = True
-        self._pending[request.request_id] = (request, compiler.submit(spec))
+        self._pending[request.request_id] = (request, self._grammar_compiler().submit(spec))
 
     @property
     def num_pending(self) -> int:

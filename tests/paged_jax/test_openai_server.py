@@ -230,7 +230,50 @@ def test_chat_streamed_and_not_through_the_template(client, servers, reference):
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
 
 
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "kind": {"enum": ["int", "str"]}},
+          "required": ["n", "kind"], "additionalProperties": False}
+
+
+def test_structured_outputs_through_each_request_field(client, reference):
+    """response_format json_schema (chat and completions, streamed and not), vLLM's
+    structured_outputs and its older guided_choice: the server's text is LLM.generate's with the
+    same StructuredOutputsParams, and it parses."""
+    from paged_jax.structured_output import StructuredOutputsParams
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "item", "schema": SCHEMA}}
+    want = reference.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=40,
+                                                       structured_outputs=StructuredOutputsParams(json=SCHEMA)))
+    got = client.completions.create(model="embedded", prompt=PROMPT, max_tokens=40, temperature=0.0,
+                                    extra_body={"response_format": fmt})
+    assert got.choices[0].text == want[0].outputs[0].text
+    assert json.loads(got.choices[0].text).keys() == {"n", "kind"} and got.choices[0].finish_reason == "stop"
+    messages = [{"role": "user", "content": "an item"}]
+    chat = client.chat.completions.create(model="embedded", messages=messages, max_tokens=40, temperature=0.0,
+                                          response_format=fmt)
+    streamed = client.chat.completions.create(model="embedded", messages=messages, max_tokens=40,
+                                              temperature=0.0, response_format=fmt, stream=True)
+    chunks = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+    # The tiny model pads JSON with whitespace (here up to max_tokens): vLLM's option turns that off.
+    tight = client.chat.completions.create(model="embedded", messages=messages, max_tokens=40, temperature=0.0,
+                                           extra_body={"structured_outputs": {"json": SCHEMA,
+                                                                              "disable_any_whitespace": True}})
+    assert json.loads(tight.choices[0].message.content)["kind"] in ("int", "str")
+    assert tight.choices[0].finish_reason == "stop"
+    for extra in ({"structured_outputs": {"choice": ["red", "green"]}}, {"guided_choice": ["red", "green"]}):
+        got = client.completions.create(model="embedded", prompt=PROMPT, max_tokens=8, temperature=0.7,
+                                        seed=5, n=2, extra_body=extra)
+        assert [c.text in ("red", "green") for c in got.choices] == [True, True]
+
+
 @pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+        "type": "nonsense"}}}}, 400, "response_format"),
+    ({"prompt": "x", "response_format": {"type": "xml"}}, 400, "response_format.type"),
+    ({"prompt": "x", "guided_regex": "("}, 400, "guided_regex"),
+    ({"prompt": "x", "guided_regex": "a", "structured_outputs": {"regex": "b"}}, 400, "structured_outputs"),
     ({"prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"prompt": "x", "model": "gpt-4"}, 404, None),
     ({"prompt": "x " * 300}, 400, "max_tokens"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.structured_output.params import GUIDED_FIELDS, from_openai_request
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
@@ -87,7 +88,7 @@ def read_options(body: dict, *, chat: bool) -> Options:
                        param="prompt_logprobs")
     if prompt_logprobs is None and echo and logprobs is not None:  # vLLM: echoed tokens get logprobs too
         prompt_logprobs = logprobs
-    for unsupported in ("logit_bias", "suffix", "tools", "functions", "response_format"):
+    for unsupported in ("logit_bias", "suffix", "tools", "functions"):
         if body.get(unsupported):
             raise APIError(f"{unsupported} is not supported by this server", param=unsupported)
     best_of = field(body, "best_of", int)
@@ -110,11 +111,21 @@ def read_sampling_params(body: dict, *, max_tokens: int | None, options: Options
         raise APIError(f"stop_token_ids must be a list of integers, got {kwargs['stop_token_ids']!r}",
                        param="stop_token_ids")
     try:
+        structured = from_openai_request(body)
+    except ValueError as e:  # "response_format.json_schema.schema: must be ..."
+        raise APIError(str(e), param=str(e).split(":", 1)[0].split(",", 1)[0]) from None
+    try:
         return SamplingParams(stop=stop, max_tokens=max_tokens, logprobs=options.logprobs,
-                              prompt_logprobs=options.prompt_logprobs, **kwargs)
+                              prompt_logprobs=options.prompt_logprobs, structured_outputs=structured, **kwargs)
     except ValueError as e:  # SamplingParams names the field first: "temperature must be >= 0, got -1"
         name = str(e).split(" ", 1)[0]
         raise APIError(str(e), param=name if name in SAMPLING_FIELDS or name in ("max_tokens", "stop") else None)
+
+
+def structured_outputs_field(body: dict) -> str:
+    """The request field a structured output came from (the param of a 400 about its grammar)."""
+    return next(name for name in ("response_format", "structured_outputs", *GUIDED_FIELDS)
+                if body.get(name) is not None)
 
 
 def requested_max_tokens(body: dict, *, chat: bool) -> int | None:

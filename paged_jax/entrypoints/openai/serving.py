@@ -115,6 +115,11 @@ class Serving:
         prompts = [self.chat_prompt(body)] if texts is None else [self.encode(p) for p in texts]
         for ids in prompts:
             self.check_fits(ids, max_tokens, params)
+        if params.structured_outputs is not None:  # a 400 now, not a failed request later
+            try:
+                self.engine.structured_outputs.validate(params.structured_outputs)
+            except ValueError as e:
+                raise APIError(str(e), param=protocol.structured_outputs_field(body)) from None
         return prompts
 
 
