@@ -98,18 +98,20 @@ def _check_parameters(tools: list[dict], names) -> None:
 
 def tool_choice_structured_outputs(tools, tool_choice) -> StructuredOutputsParams | None:
     """The structured output that enforces `tool_choice`, or None for "auto" / "none" / absent.
-    The schemas of the tools it may call are checked here, so an error names the tool."""
+    The schemas of the tools it may call are checked here, so an error names the tool. Calls are
+    compact JSON (no free whitespace): a program reads them, and a small model left free to pad
+    them can spend its whole max_tokens on whitespace."""
     if tool_choice is None or tool_choice in ("auto", "none"):
         return None
     if tool_choice == "required":
         tools = validate_tools(tools)
         _check_parameters(tools, {t["name"] for t in tools})
-        return StructuredOutputsParams(json=required_schema(tools))
+        return StructuredOutputsParams(json=required_schema(tools), disable_any_whitespace=True)
     if isinstance(tool_choice, dict):
         tools = validate_tools(tools)
         tool = _named_function(tool_choice, tools)
         _check_parameters(tools, {tool["name"]})
-        return StructuredOutputsParams(json=tool["parameters"])
+        return StructuredOutputsParams(json=tool["parameters"], disable_any_whitespace=True)
     raise ValueError(f"tool_choice: must be 'none', 'auto', 'required' or "
                      f'{{"type": "function", "function": {{"name": ...}}}}, got {tool_choice!r}')
 

@@ -27,7 +27,13 @@ from tests.ports import free_port  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "models" / "embedded"
 KEY = "test-key"
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+# ChatML, with Qwen's (hermes) way of writing tools, calls and their results when a request has them.
+CHATML = ("{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+          "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+          "{% if m['role'] == 'assistant' and m['tool_calls'] %}{% for c in m['tool_calls'] %}<tool_call>"
+          "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}</tool_call>"
+          "{% endfor %}{% elif m['role'] == 'tool' %}<tool_response>{{ m['content'] }}</tool_response>"
+          "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 ENGINE = dict(num_blocks=40, max_num_seqs=32)  # 39 blocks of 16 tokens: 64 streams must preempt
 PROMPT = "def fibonacci(n):\n"
@@ -88,7 +94,8 @@ def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     (tmp / "chat.jinja").write_text(CHATML)
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
-    a = Server(tmp, "--api-key", KEY, "--chat-template", str(tmp / "chat.jinja"), *flags)
+    a = Server(tmp, "--api-key", KEY, "--chat-template", str(tmp / "chat.jinja"), "--enable-auto-tool-choice",
+               "--tool-call-parser", "hermes", *flags)
     b = Server(tmp, "--served-model-name", "tiny", "--max-num-seqs", "4", "--warmup-prompt-len", "8")
     try:
         yield a.wait(), b.wait()
@@ -266,6 +273,86 @@ def test_structured_outputs_through_each_request_field(client, reference):
         got = client.completions.create(model="embedded", prompt=PROMPT, max_tokens=8, temperature=0.7,
                                         seed=5, n=2, extra_body=extra)
         assert [c.text in ("red", "green") for c in got.choices] == [True, True]
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+PING = {"type": "function", "function": {"name": "ping"}}
+
+
+def joined_tool_calls(chunks):
+    """The calls a stream's deltas add up to (OpenAI's way: id and name first, arguments appended)."""
+    calls = {}
+    for chunk in chunks:
+        for part in chunk.choices[0].delta.tool_calls or ():
+            call = calls.setdefault(part.index, {"id": None, "name": None, "arguments": ""})
+            call["id"] = part.id or call["id"]
+            call["name"] = (part.function.name if part.function else None) or call["name"]
+            call["arguments"] += (part.function.arguments or "") if part.function else ""
+    return [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_forced_tool_calls_parse_and_validate_streamed_and_not(client, tool_choice):
+    import jsonschema
+
+    kwargs = dict(model="embedded", messages=[{"role": "user", "content": "weather in Oslo?"}], max_tokens=64,
+                  temperature=0.0, tools=[WEATHER, PING], tool_choice=tool_choice)
+    got = client.chat.completions.create(**kwargs)
+    message, choice = got.choices[0].message, got.choices[0]
+    assert choice.finish_reason == "tool_calls" and message.content is None and message.tool_calls
+    schemas = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"}) for t in (WEATHER, PING)}
+    for call in message.tool_calls:
+        assert call.id.startswith("chatcmpl-tool-") and call.type == "function"
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    if isinstance(tool_choice, dict):
+        assert [c.function.name for c in message.tool_calls] == ["get_weather"]
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = joined_tool_calls(chunks)
+    assert [(c["name"], c["arguments"]) for c in streamed] == [
+        (c.function.name, c.function.arguments) for c in message.tool_calls]
+    assert all(c["id"].startswith("chatcmpl-tool-") for c in streamed)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_auto_renders_tools_and_tool_messages_through_the_template(client, reference):
+    """tool_choice "auto" (hermes): the prompt holds the tools, an earlier call and its result as the
+    template writes them; this model answers in text, which comes back as content."""
+    tool = {"type": "function", "function": {"name": "f"}}  # small: the model's context is 256 tokens
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    prompt = ('<|im_start|>system\n# Tools\n' + json.dumps(tool) + '\n<|im_end|>\n<|im_start|>user\nweather?'
+              '<|im_end|>\n<|im_start|>assistant\n<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+              '<|im_end|>\n<|im_start|>tool\n<tool_response>sunny</tool_response><|im_end|>\n<|im_start|>assistant\n')
+    ids = reference.get_tokenizer().encode(prompt, add_special_tokens=False)
+    want = reference.generate([ids], SamplingParams(temperature=0.0, max_tokens=16))[0].outputs[0]
+    got = client.chat.completions.create(model="embedded", messages=messages, tools=[tool], max_tokens=16,
+                                         temperature=0.0)
+    assert got.usage.prompt_tokens == len(ids)
+    assert (got.choices[0].message.content, got.choices[0].message.tool_calls) == (want.text, None)
+    chunks = list(client.chat.completions.create(model="embedded", messages=messages, tools=[tool],
+                                                 max_tokens=16, temperature=0.0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+def test_bad_tool_requests_are_400_naming_the_field(servers, body, param):
+    body = {"messages": [{"role": "user", "content": "x"}], **body}
+    status, got = servers[0].post("/v1/chat/completions", json.dumps(body).encode(), {"Authorization": f"Bearer {KEY}"})
+    assert (status, got["error"]["param"]) == (400, param), got
+    status, got = servers[1].post("/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER]}).encode())
+    assert status == 400 and "--enable-auto-tool-choice" in got["error"]["message"]
 
 
 @pytest.mark.parametrize("body, status, param", [

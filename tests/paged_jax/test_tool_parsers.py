@@ -170,7 +170,7 @@ def test_required_schema():
                         "parameters": {"type": "object", "properties": {}}},
          "required": ["name", "parameters"]}]}}
     params = tool_grammar.tool_choice_structured_outputs([WEATHER_TOOL, PING_TOOL], "required")
-    assert params == StructuredOutputsParams(json=schema)
+    assert params == StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}},
                          {"name": "ping", "parameters": {}}], schema)
     for bad in ([], [{"name": "get_time", "parameters": {}}],
@@ -201,7 +201,8 @@ def test_required_schema_moves_defs_to_the_root():
 def test_named_function_schema_is_its_parameters():
     choice = {"type": "function", "function": {"name": "get_weather"}}
     params = tool_grammar.tool_choice_structured_outputs([PING_TOOL, WEATHER_TOOL], choice)
-    assert params == StructuredOutputsParams(json=WEATHER_TOOL["function"]["parameters"])
+    assert params == StructuredOutputsParams(json=WEATHER_TOOL["function"]["parameters"],
+                                             disable_any_whitespace=True)
     jsonschema.validate({"city": "Oslo"}, params.json)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"days": 1}, params.json)

@@ -121,9 +121,10 @@ async def _read_json(request: Request, limit: int, serving: Serving) -> dict:
 
 
 def build_app(llm: AsyncLLM, *, model_name: str, metrics: Metrics, api_key: str | None = None,
-              max_request_bytes: int = MAX_REQUEST_BYTES, model_root: str | None = None) -> FastAPI:
+              max_request_bytes: int = MAX_REQUEST_BYTES, model_root: str | None = None,
+              tool_parser=None, enable_auto_tool_choice: bool = False) -> FastAPI:
     app = FastAPI(title="paged-jax", version=paged_jax.__version__)
-    serving = Serving(llm, model_name)
+    serving = Serving(llm, model_name, tool_parser=tool_parser, enable_auto_tool_choice=enable_auto_tool_choice)
     engine = llm.engine
 
     @app.exception_handler(APIError)

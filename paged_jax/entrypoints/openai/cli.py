@@ -45,6 +45,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="compile, before serving, what up to max-num-seqs prompts of this length need "
                          "(LLMEngine.warm_up; 0: compile on first use)")
     ap.add_argument("--uvicorn-log-level", default="info")
+    ap.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help='tool_choice "auto": the model decides, and --tool-call-parser reads its calls')
+    ap.add_argument("--tool-call-parser", metavar="NAME",
+                    help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>: Qwen 2.5/3, "
+                         "Hermes) or llama3_json (Llama 3.1-3.3)")
     EngineArgs.add_cli_args(ap)
     cli_args.add_distributed_args(ap)
     return ap.parse_args(argv)
@@ -77,6 +82,15 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         fail(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    if args.tool_call_parser is not None:
+        from paged_jax.structured_output.tool_parsers import get_tool_parser
+
+        try:
+            args.tool_call_parser = get_tool_parser(args.tool_call_parser)
+        except ValueError as e:
+            fail(f"--tool-call-parser: {e}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        fail("--enable-auto-tool-choice needs --tool-call-parser")
     if args.process_id == 0:
         _check_port_free(args.host, args.port)
     model = args.model or str(embedded_model())
@@ -137,7 +151,8 @@ def _serve(args, llm, model: str) -> None:
     waiting = 4 * seqs if args.max_waiting_requests is None else args.max_waiting_requests
     async_llm = AsyncLLM(llm.engine, on_step=metrics.on_step, followers=followers, max_requests=seqs + waiting)
     app = build_app(async_llm, model_name=name, metrics=metrics, api_key=args.api_key,
-                    max_request_bytes=args.max_request_bytes, model_root=model)
+                    max_request_bytes=args.max_request_bytes, model_root=model, tool_parser=args.tool_call_parser,
+                    enable_auto_tool_choice=args.enable_auto_tool_choice)
     print(f"paged-jax-serve: serving {name!r} on http://{args.host}:{args.port}", flush=True)
     # uvicorn stops gracefully on SIGINT or SIGTERM and then raises the signal again, under the
     # handlers it found: ignored, so that the shutdown below runs (a job's followers need its stop

@@ -88,7 +88,7 @@ def read_options(body: dict, *, chat: bool) -> Options:
                        param="prompt_logprobs")
     if prompt_logprobs is None and echo and logprobs is not None:  # vLLM: echoed tokens get logprobs too
         prompt_logprobs = logprobs
-    for unsupported in ("logit_bias", "suffix", "tools", "functions"):
+    for unsupported in ("logit_bias", "suffix", "functions") + (() if chat else ("tools", "tool_choice")):
         if body.get(unsupported):
             raise APIError(f"{unsupported} is not supported by this server", param=unsupported)
     best_of = field(body, "best_of", int)

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 from paged_jax.entrypoints.async_llm import EngineDeadError
 from paged_jax.entrypoints.openai.protocol import APIError, engine_dead
+from paged_jax.entrypoints.openai.tool_calling import finish_reason
 
 
 def _prompt_logprobs_json(entries):
@@ -27,9 +28,10 @@ class ChoicesResponse:
     """One request's choices as they accumulate, in OpenAI's completion or chat shapes."""
 
     def __init__(self, serving, request_id: str, chat: bool, n: int, prompts, options, *,
-                 token_ids_as_tokens: bool):
+                 token_ids_as_tokens: bool, tools=None):
         self.serving, self.id, self.chat, self.n, self.prompts = serving, request_id, chat, n, prompts
         self.options = options
+        self.tools = tools  # tool_calling.ToolCalling of a chat request with tools, or None
         self.token_ids_as_tokens = token_ids_as_tokens  # vLLM's return_tokens_as_token_ids: "token_id:7"
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -127,6 +129,10 @@ class ChoicesResponse:
                       "stop_reason": self.stop_reason[index]}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
+                if self.tools is not None:
+                    content, calls = self.tools.message(text)
+                    choice["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+                    choice["finish_reason"] = finish_reason(self.finish[index], bool(calls))
             else:
                 choice["text"] = text
                 if self.options.prompt_logprobs is not None:
@@ -137,6 +143,22 @@ class ChoicesResponse:
         if self.chat and self.options.prompt_logprobs is not None:  # vLLM puts chat's on the response
             body["prompt_logprobs"] = _prompt_logprobs_json(self.prompt_logprobs[0])
         return body
+
+    def _tool_choices(self, streams, index, new, logprobs, c) -> list[dict]:
+        """This output's deltas of a choice whose request has tools: content, tool-call deltas, and
+        the finish reason on the last one ("tool_calls" when it made calls)."""
+        stream = streams.setdefault(index, self.tools.stream())
+        deltas = stream.feed(new) + (stream.finish() if c.finish_reason is not None else [])
+        if not deltas:
+            if c.finish_reason is None:
+                return []
+            deltas = [{}]
+        choices = [{"index": index, "logprobs": None, "finish_reason": None, "delta": d} for d in deltas]
+        choices[0]["logprobs"] = logprobs
+        if c.finish_reason is not None:
+            choices[-1].update(finish_reason=finish_reason(c.finish_reason, stream.made_calls),
+                               stop_reason=c.stop_reason)
+        return choices
 
     def _chunk(self, choices) -> dict:
         return {"id": self.id, "object": self.object + (".chunk" if self.chat else ""), "created": self.created,
@@ -149,10 +171,14 @@ class ChoicesResponse:
             if self.chat:  # OpenAI's first chunk of each choice carries the role
                 yield _sse(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None} for i in range(len(self.text))]))
+            streams = {}  # choice index -> tool_calling.ChoiceStream
             async for i, out in outputs:
-                choices = []
+                choices, singles = [], []
                 for index, new, logprobs, c in self.add(i, out):
                     if not new and not c.token_ids and c.finish_reason is None:
+                        continue
+                    if self.tools is not None:  # a chunk per delta: a tool call's come one by one
+                        singles += self._tool_choices(streams, index, new, logprobs, c)
                         continue
                     choice = {"index": index, "logprobs": logprobs, "finish_reason": c.finish_reason,
                               "stop_reason": c.stop_reason}
@@ -160,6 +186,8 @@ class ChoicesResponse:
                     choices.append(choice)
                 if choices:
                     yield _sse(self._chunk(choices))
+                for choice in singles:
+                    yield _sse(self._chunk([choice]))
             if self.options.include_usage:
                 yield _sse({**self._chunk([]), "usage": self.usage()})
         except (APIError, ValueError, EngineDeadError) as e:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import uuid
 from collections.abc import AsyncIterator
@@ -14,11 +15,14 @@ from paged_jax.entrypoints.async_llm import AsyncLLM, EngineBusyError, EngineDea
 from paged_jax.entrypoints.openai import protocol
 from paged_jax.entrypoints.openai.protocol import APIError, busy, engine_dead, field
 from paged_jax.entrypoints.openai.response import ChoicesResponse
+from paged_jax.entrypoints.openai.tool_calling import ToolCalling, template_messages
 
 
 class Serving:
-    def __init__(self, llm: AsyncLLM, model_name: str, *, workers: int = 4):
+    def __init__(self, llm: AsyncLLM, model_name: str, *, workers: int = 4, tool_parser=None,
+                 enable_auto_tool_choice: bool = False):
         self.llm, self.model_name = llm, model_name
+        self.tool_parser, self.enable_auto_tool_choice = tool_parser, enable_auto_tool_choice
         self.engine = llm.engine  # only its tokenizer and configuration are read here (thread-safe)
         self.tokenizer = self.engine.tokenizer
         # Tokenizing and chat rendering take time proportional to the prompt (a 4 MiB prompt: seconds);
@@ -54,14 +58,15 @@ class Serving:
         if reason is not None:
             raise APIError(reason, param="n" if reason.startswith("n=") else None)
 
-    def chat_prompt(self, body: dict) -> list[int]:
+    def chat_prompt(self, body: dict, tools: ToolCalling | None = None) -> list[int]:
         if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError("this model has no chat template (no chat_template in tokenizer_config.json and no "
                            "chat_template.jinja); start the server with --chat-template FILE", param="messages")
         messages = protocol.read_messages(body)
         try:
             return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=field(body, "add_generation_prompt", bool, True), tokenize=True)
+                template_messages(messages), add_generation_prompt=field(body, "add_generation_prompt", bool, True),
+                tokenize=True, **({"tools": tools.tools} if tools is not None else {}))
         except ValueError as e:
             raise APIError(f"the chat template failed: {e}", param="messages") from None
 
@@ -73,6 +78,13 @@ class Serving:
         self.check_model(options.model)
         max_tokens = protocol.requested_max_tokens(body, chat=chat)
         params = protocol.read_sampling_params(body, max_tokens=max_tokens, options=options)
+        tools = ToolCalling.from_request(body, parser=self.tool_parser, auto=self.enable_auto_tool_choice) if chat else None
+        grammar_field = None if params.structured_outputs is None else protocol.structured_outputs_field(body)
+        if tools is not None and tools.structured_outputs is not None:
+            if params.structured_outputs is not None:
+                raise APIError(f"tool_choice {tools.tool_choice!r} is a structured output: it cannot be combined "
+                               f"with {grammar_field}", param="tool_choice")
+            params, grammar_field = dataclasses.replace(params, structured_outputs=tools.structured_outputs), "tool_choice"
         if params.n > self.engine.config.max_num_seqs:  # before the KV-cache check, which n also fails
             raise APIError(f"n={params.n} samples exceed this server's max_num_seqs="
                            f"{self.engine.config.max_num_seqs}", param="n")
@@ -86,11 +98,11 @@ class Serving:
                        f"limit is {limit}: retry later")
         self.preparing += count
         try:
-            prompts = await self.off_loop(self._prompts, body, texts, max_tokens, params)
+            prompts = await self.off_loop(self._prompts, body, texts, max_tokens, params, tools, grammar_field)
         finally:
             self.preparing -= count
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        response = ChoicesResponse(self, request_id, chat, params.n, prompts, options,
+        response = ChoicesResponse(self, request_id, chat, params.n, prompts, options, tools=tools,
                                    token_ids_as_tokens=field(body, "return_tokens_as_token_ids", bool, False))
         try:
             streams = self.llm.generate_many([(f"{request_id}-{i}", ids) for i, ids in enumerate(prompts)],
@@ -110,16 +122,18 @@ class Serving:
             raise engine_dead(e) from None
         return response.body()
 
-    def _prompts(self, body: dict, texts: list | None, max_tokens: int | None, params) -> list[list[int]]:
-        """The request's prompts as token ids, each checked to fit (on the worker pool)."""
-        prompts = [self.chat_prompt(body)] if texts is None else [self.encode(p) for p in texts]
+    def _prompts(self, body: dict, texts: list | None, max_tokens: int | None, params, tools,
+                 grammar_field: str | None) -> list[list[int]]:
+        """The request's prompts as token ids, each checked to fit, and its grammar checked (on the
+        worker pool)."""
+        prompts = [self.chat_prompt(body, tools)] if texts is None else [self.encode(p) for p in texts]
         for ids in prompts:
             self.check_fits(ids, max_tokens, params)
         if params.structured_outputs is not None:  # a 400 now, not a failed request later
             try:
                 self.engine.structured_outputs.validate(params.structured_outputs)
             except ValueError as e:
-                raise APIError(str(e), param=protocol.structured_outputs_field(body)) from None
+                raise APIError(str(e), param=grammar_field) from None
         return prompts
 
 
