@@ -1,9 +1,14 @@
-"""What structured output costs on the host: building the LLTokenizer, compiling a grammar (cold),
+"""What structured output costs. On the host: building the LLTokenizer, compiling a grammar (cold),
 a cache hit (the Future, the result and a fresh per-request Matcher), the bitmask fill of a batch
-(llguidance's thread pool against a row-by-row loop), and apply_token_bitmask on the device.
+(llguidance's thread pool against a row-by-row loop), and apply_token_bitmask on the device. In the
+engine (--engine): output tok/s at each --concurrency with every request constrained by a JSON
+schema against the same prompts unconstrained, at the same lengths (the schema's document is longer
+than --max-tokens, so every request runs to it; the unconstrained ones ignore EOS), the ratio of
+the two, and time to first token with a new schema against a cached one.
 
     python scripts/benchmark_structured_output.py                # SmolLM2-135M-Instruct's tokenizer
     python scripts/benchmark_structured_output.py --model DIR    # a checkpoint's tokenizer.json
+    python scripts/benchmark_structured_output.py --engine [--concurrency 8 32 --max-tokens 64]
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 import jax  # noqa: E402
 
 from models.tokenizer import load_tokenizer  # noqa: E402
+from paged_jax import LLM, SamplingParams  # noqa: E402
 from paged_jax.structured_output import grammar, matcher, tokenizer  # noqa: E402
 from paged_jax.structured_output.params import StructuredOutputsParams  # noqa: E402
 
@@ -61,10 +67,68 @@ def main():
     ap.add_argument("--model", help="checkpoint dir or .gguf (default: SmolLM2-135M-Instruct, fetched)")
     ap.add_argument("--rows", type=int, default=32, help="batch rows for the bitmask fill")
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--engine", action="store_true", help="also the engine's throughput and TTFT")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats-engine", type=int, default=3, help="timed runs of each engine configuration")
     args = ap.parse_args()
     if args.model is None:
         from scripts import fetch_model
         args.model = fetch_model.fetch("smollm2-135m-instruct")
+    host(args)
+    if args.engine:
+        engine(args)
+
+
+# A document longer than any --max-tokens: every constrained request runs to max_tokens.
+LONG = {"type": "array", "minItems": 400, "maxItems": 400,
+        "items": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
+                                                   "ok": {"type": "boolean"}},
+                  "required": ["id", "ok"], "additionalProperties": False}}
+
+
+def engine(args):
+    """Throughput with every request constrained against none, at each concurrency, and TTFT."""
+    llm = LLM(args.model, max_num_seqs=max(args.concurrency), max_model_len=128 + args.max_tokens,
+              log_stats=False)
+    tok = llm.get_tokenizer()
+    spec = StructuredOutputsParams(json=LONG, disable_any_whitespace=True)
+    print(f"\nengine, {args.model}, {args.max_tokens} output tokens per request:")
+    print(f"{'concurrency':>11} {'unconstrained tok/s':>20} {'constrained tok/s':>18} {'ratio':>6}")
+    for n in args.concurrency:
+        prompts = [tok.encode(f"Record {i}: list the items as JSON.") for i in range(n)]
+        both = [SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=not constrained,
+                               structured_outputs=spec if constrained else None) for constrained in (False, True)]
+        rates = [[], []]
+        for params in both:
+            llm.generate(prompts, params)  # compiles this batch's programs
+        for _ in range(args.repeats_engine):  # alternated, the median of each: a shared machine drifts
+            for side, params in enumerate(both):
+                start = time.perf_counter()
+                outs = llm.generate(prompts, params)
+                seconds = time.perf_counter() - start
+                tokens = [len(o.outputs[0].token_ids) for o in outs]
+                assert tokens == [args.max_tokens] * n, tokens  # the same work on both sides
+                rates[side].append(sum(tokens) / seconds)
+        free, constrained = (statistics.median(r) for r in rates)
+        print(f"{n:11} {free:20.1f} {constrained:18.1f} {constrained / free:6.2f}")
+    prompt = tok.encode("Record: list the items as JSON.")
+
+    def first_token(schema) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=1, structured_outputs=StructuredOutputsParams(json=schema))
+        start = time.perf_counter()
+        llm.generate([prompt], params)
+        return time.perf_counter() - start
+
+    first_token(ORDER)  # the one-request programs compile here, and ORDER is cached
+    new = first_token({**ORDER, "title": f"t{time.perf_counter_ns()}"})  # a schema text never seen
+    print(f"time to first token: new schema {ms(new)}, cached schema {ms(first_token(ORDER))}")
+    stats = llm.engine.structured_outputs.stats()
+    print(f"grammar compiles: {stats['num_compiles']}, {ms(stats['compile_seconds'] / max(stats['num_compiles'], 1))} "
+          f"each on average (worker thread); cache hits: {stats['num_cache_hits']}")
+
+
+def host(args):
     tok = load_tokenizer(args.model)
 
     start = time.perf_counter()

@@ -79,6 +79,24 @@ def test_constrained_and_unconstrained_requests_share_a_batch(llm):
                                                                before["num_cache_hits"] + 1)
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_constrained_requests_resume_their_grammar(llm, mode):
+    """A pool too small for the batch: constrained requests are preempted (their blocks dropped,
+    or swapped to host memory) and resume with their matchers where they were; each output is
+    the unpressed engine's, and parses."""
+    spec = Spec(json={"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
+                      "minItems": 12, "maxItems": 12}, disable_any_whitespace=True)
+    params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=spec)
+    prompts = [f"data_{i} = " for i in range(8)]
+    want = [o.outputs[0].text for o in llm.generate(prompts, params)]
+    tight = LLM("models/embedded", max_num_seqs=8, max_model_len=160, num_blocks=14, preemption_mode=mode,
+                swap_space=0.01, log_stats=False)
+    got = [o.outputs[0] for o in tight.generate(prompts, params)]
+    assert tight.engine.stats()["num_preemptions"] > 0
+    assert [o.text for o in got] == want
+    assert all(len(json.loads(o.text)) == 12 and o.finish_reason == "stop" for o in got)
+
+
 def test_a_bad_grammar_is_refused_before_anything_is_queued(llm):
     engine = llm.engine
     with pytest.raises(ValueError, match=r"^regex: invalid regex"):
@@ -116,19 +134,62 @@ def test_a_grammar_needs_a_tokenizer():
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_smollm2_answers_in_the_schema(smollm2_gguf):
-    """A real instruction-tuned model asked, through its chat template, for a JSON object."""
-    llm = LLM(str(smollm2_gguf), max_num_seqs=2, max_model_len=256, log_stats=False)
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                               "country": {"type": "string", "maxLength": 20}},
-              "required": ["city", "country"], "additionalProperties": False}
-    prompt = llm.get_tokenizer().apply_chat_template(
-        [{"role": "user", "content": "Name the capital of France as JSON with keys city and country."}],
-        tokenize=True)
-    params = SamplingParams(temperature=0.0, max_tokens=48,
-                            structured_outputs=Spec(json=schema, disable_any_whitespace=True))
-    out = llm.generate([prompt], params)[0].outputs[0]
-    assert out.finish_reason == "stop"
-    answer = json.loads(out.text)
-    jsonschema.validate(answer, schema)
-    assert answer["city"] == "Paris"
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 16},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "role": {"enum": ["admin", "user", "guest"]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
+    "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                                 "zip": {"type": "integer", "minimum": 10000, "maximum": 99999}},
+                "required": ["city", "zip"], "additionalProperties": False}},
+    "required": ["name", "age", "role", "tags", "address"], "additionalProperties": False}
+NAMES = ["Ada", "Linus", "Grace", "Alan", "Barbara", "Dennis", "Ken", "Margaret", "Edsger", "Donald",
+         "Frances", "John", "Radia", "Tim", "Guido", "Bjarne", "Anita", "Niklaus", "Leslie", "Sophie"]
+
+
+def test_smollm2_follows_schemas_regexes_and_choices(smollm2_gguf):
+    """A real instruction-tuned model, through its chat template: 20 requests for a nested JSON
+    object (enums, an array, bounded integers, required fields) all validate, where the same
+    prompts unconstrained do not; a date and an email regex and a choice list match; asked for
+    France's capital as JSON, it says Paris."""
+    llm = LLM(str(smollm2_gguf), max_num_seqs=32, max_model_len=384, log_stats=False)
+    tokenizer = llm.get_tokenizer()
+
+    def chat(text):
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True)
+
+    prompts = [chat(f"Describe the user {name} as a JSON object with name, age, role, tags and address.")
+               for name in NAMES]
+    constrained = SamplingParams(temperature=0.0, max_tokens=120,
+                                 structured_outputs=Spec(json=PERSON, disable_any_whitespace=True))
+    free = SamplingParams(temperature=0.0, max_tokens=120)
+    date = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
+    email = r"[a-z]{1,12}@[a-z]{1,12}\.(com|org)"
+    feelings = ["positive", "negative", "neutral"]
+    capital = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                "country": {"type": "string", "maxLength": 20}},
+               "required": ["city", "country"], "additionalProperties": False}
+    others = [(chat("When did the Apollo 11 mission land on the Moon?"), Spec(regex=date)),
+              (chat("Write an email address for Ada Lovelace."), Spec(regex=email)),
+              (chat("Is the review 'I loved this film' positive, negative or neutral?"), Spec(choice=feelings)),
+              (chat("Name the capital of France as JSON with keys city and country."),
+               Spec(json=capital, disable_any_whitespace=True))]
+    outs = llm.generate(prompts + prompts + [p for p, _ in others],
+                        [constrained] * 20 + [free] * 20 + [
+                            SamplingParams(temperature=0.0, max_tokens=32, structured_outputs=spec)
+                            for _, spec in others])
+    texts = [o.outputs[0].text for o in outs]
+    for o, text in zip(outs[:20], texts[:20]):
+        assert o.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(text), PERSON)
+
+    def valid(text):
+        try:
+            jsonschema.validate(json.loads(text), PERSON)
+            return True
+        except (ValueError, jsonschema.ValidationError):  # not JSON, or not the schema's
+            return False
+
+    assert sum(valid(text) for text in texts[20:40]) < 20  # the constraint did the work
+    assert re.fullmatch(date, texts[40]) and re.fullmatch(email, texts[41]) and texts[42] in feelings
+    assert json.loads(texts[43])["city"] == "Paris"
