@@ -1,7 +1,6 @@
 """The Mosaic GPU decode and ragged kernels in the Mosaic GPU interpreter (CPU) against a dense float64
 attention and the jnp reference, and compiled on a Hopper GPU (marked `gpu`). jax before 0.12 has
 no usable Pallas Mosaic GPU: there every test skips, naming the jax version."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
