@@ -78,13 +78,6 @@ class Serving:
         self.check_model(options.model)
         max_tokens = protocol.requested_max_tokens(body, chat=chat)
         params = protocol.read_sampling_params(body, max_tokens=max_tokens, options=options)
-        tools = ToolCalling.from_request(body, parser=self.tool_parser, auto=self.enable_auto_tool_choice) if chat else None
-        grammar_field = None if params.structured_outputs is None else protocol.structured_outputs_field(body)
-        if tools is not None and tools.structured_outputs is not None:
-            if params.structured_outputs is not None:
-                raise APIError(f"tool_choice {tools.tool_choice!r} is a structured output: it cannot be combined "
-                               f"with {grammar_field}", param="tool_choice")
-            params, grammar_field = dataclasses.replace(params, structured_outputs=tools.structured_outputs), "tool_choice"
         if params.n > self.engine.config.max_num_seqs:  # before the KV-cache check, which n also fails
             raise APIError(f"n={params.n} samples exceed this server's max_num_seqs="
                            f"{self.engine.config.max_num_seqs}", param="n")
@@ -98,7 +91,7 @@ class Serving:
                        f"limit is {limit}: retry later")
         self.preparing += count
         try:
-            prompts = await self.off_loop(self._prompts, body, texts, max_tokens, params, tools, grammar_field)
+            prompts, params, tools = await self.off_loop(self._prepare, body, texts, max_tokens, params)
         finally:
             self.preparing -= count
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -122,11 +115,19 @@ class Serving:
             raise engine_dead(e) from None
         return response.body()
 
-    def _prompts(self, body: dict, texts: list | None, max_tokens: int | None, params, tools,
-                 grammar_field: str | None) -> list[list[int]]:
-        """The request's prompts as token ids, each checked to fit, and its grammar checked (on the
-        worker pool)."""
-        prompts = [self.chat_prompt(body, tools)] if texts is None else [self.encode(p) for p in texts]
+    def _prepare(self, body: dict, texts: list | None, max_tokens: int | None, params):
+        """On the worker pool: the request's tools (chat), its prompts as token ids, each checked to
+        fit, and its grammar checked (a schema can be large) -> (prompts, params with the tools'
+        grammar, ToolCalling or None)."""
+        chat = texts is None
+        tools = ToolCalling.from_request(body, parser=self.tool_parser, auto=self.enable_auto_tool_choice) if chat else None
+        grammar_field = None if params.structured_outputs is None else protocol.structured_outputs_field(body)
+        if tools is not None and tools.structured_outputs is not None:
+            if params.structured_outputs is not None:
+                raise APIError(f"tool_choice {tools.tool_choice!r} is a structured output: it cannot be combined "
+                               f"with {grammar_field}", param="tool_choice")
+            params, grammar_field = dataclasses.replace(params, structured_outputs=tools.structured_outputs), "tool_choice"
+        prompts = [self.chat_prompt(body, tools)] if chat else [self.encode(p) for p in texts]
         for ids in prompts:
             self.check_fits(ids, max_tokens, params)
         if params.structured_outputs is not None:  # a 400 now, not a failed request later
@@ -134,7 +135,7 @@ class Serving:
                 self.engine.structured_outputs.validate(params.structured_outputs)
             except ValueError as e:
                 raise APIError(str(e), param=grammar_field) from None
-        return prompts
+        return prompts, params, tools
 
 
 async def _merge(streams) -> AsyncIterator[tuple[int, object]]:
