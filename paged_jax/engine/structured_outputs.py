@@ -63,6 +63,8 @@ class StructuredOutputManager:
         """The pending requests whose grammar is compiled (each sequence then has its Matcher) or
         failed (`request.error` set), in arrival order. `wait`: seconds to wait for one when none
         is ready (an engine with nothing else to run)."""
+        if not self._pending:  # every step of an unconstrained workload
+            return []
         if wait and self._pending and not any(f.done() for _, f in self._pending.values()):
             concurrent.futures.wait([f for _, f in self._pending.values()], timeout=wait,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
@@ -89,6 +91,8 @@ class StructuredOutputManager:
     def bitmask(self, seqs: list[Sequence], num_rows: int) -> np.ndarray | None:
         """i32[num_rows, words]: row i allows what seqs[i]'s grammar allows next (every token for a
         row without one, or a padding row); None when no row has a grammar."""
+        if not self._matchers:  # every call of an unconstrained workload: no per-row lookups
+            return None
         matchers = [self._matchers.get(seq) for seq in seqs]
         if not any(m is not None for m in matchers):
             return None
@@ -103,6 +107,8 @@ class StructuredOutputManager:
         new tokens)) -> (sequences whose grammar is complete, sequences that sampled a token their
         grammar refused: `request.error` says which)."""
         complete, refused = [], []
+        if not self._matchers:
+            return complete, refused
         for seq, _, n in progressed:
             matcher = self._matchers.get(seq)
             if matcher is None or n == 0:

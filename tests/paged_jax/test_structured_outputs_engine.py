@@ -193,3 +193,15 @@ def test_smollm2_follows_schemas_regexes_and_choices(smollm2_gguf):
     assert sum(valid(text) for text in texts[20:40]) < 20  # the constraint did the work
     assert re.fullmatch(date, texts[40]) and re.fullmatch(email, texts[41]) and texts[42] in feelings
     assert json.loads(texts[43])["city"] == "Paris"
+
+
+def test_an_unconstrained_workload_never_loads_llguidance():
+    import subprocess
+    import sys
+
+    code = ("import sys; from paged_jax import LLM, SamplingParams; "
+            "LLM('models/embedded', log_stats=False).generate(['x = '], SamplingParams(max_tokens=4)); "
+            "print('llguidance' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False"
