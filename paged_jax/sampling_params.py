@@ -5,6 +5,7 @@ import dataclasses
 import enum
 
 from paged_jax.structured_output.params import StructuredOutputsParams
+from paged_jax.structured_output.params import from_dict as structured_outputs_from_dict
 
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
@@ -80,10 +81,7 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.structured_outputs, dict):
-            try:
-                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
-            except TypeError as e:  # an unknown field
-                raise ValueError(f"structured_outputs: {e}") from None
+            self.structured_outputs = structured_outputs_from_dict(self.structured_outputs)
         if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
                              f"{self.structured_outputs!r}")

@@ -129,7 +129,9 @@ def _from_response_format(value) -> StructuredOutputsParams | None:
     return _build({"json": schema}, lambda f: "response_format.json_schema.schema")
 
 
-def _from_structured_outputs(value) -> StructuredOutputsParams:
+def from_dict(value) -> StructuredOutputsParams:
+    """vLLM's `structured_outputs` object (a request field, or a dict given to SamplingParams) ->
+    StructuredOutputsParams; ValueError naming "structured_outputs.<field>"."""
     if not isinstance(value, dict):
         raise ValueError(f"structured_outputs: must be an object, got {value!r}")
     unknown = sorted(set(value) - set(KINDS) - set(_OPTIONS))
@@ -151,7 +153,7 @@ def from_openai_request(body: dict) -> StructuredOutputsParams | None:
         if params is not None:
             sources.append(("response_format", params))
     if body.get("structured_outputs") is not None:
-        sources.append(("structured_outputs", _from_structured_outputs(body["structured_outputs"])))
+        sources.append(("structured_outputs", from_dict(body["structured_outputs"])))
     guided = [name for name in GUIDED_FIELDS if body.get(name) is not None]
     if guided:
         kwargs = {GUIDED_FIELDS[name]: body[name] for name in guided}

@@ -124,8 +124,11 @@ def read_sampling_params(body: dict, *, max_tokens: int | None, options: Options
 
 def structured_outputs_field(body: dict) -> str:
     """The request field a structured output came from (the param of a 400 about its grammar)."""
-    return next(name for name in ("response_format", "structured_outputs", *GUIDED_FIELDS)
-                if body.get(name) is not None)
+    def asks(name):  # a response_format of type "text" asks for none
+        value = body.get(name)
+        return value is not None and not (name == "response_format" and value.get("type") == "text")
+
+    return next(name for name in ("response_format", "structured_outputs", *GUIDED_FIELDS) if asks(name))
 
 
 def requested_max_tokens(body: dict, *, chat: bool) -> int | None:

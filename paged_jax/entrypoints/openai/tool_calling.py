@@ -18,7 +18,7 @@ import json
 
 from paged_jax.entrypoints.openai.protocol import APIError
 from paged_jax.structured_output import tool_grammar
-from paged_jax.structured_output.tool_calls import make_tool_call_id
+from paged_jax.structured_output.tool_calls import CallDeltas
 from paged_jax.structured_output.tool_parsers import ToolParser
 
 
@@ -73,8 +73,8 @@ class ChoiceStream:
     def __init__(self, tools: ToolCalling):
         self.mode = tools.tool_choice
         self.parser_stream = tools.parser.stream() if self.mode == "auto" else None
+        self.named = CallDeltas(0, ()) if isinstance(self.mode, dict) else None
         self.text = ""
-        self.named_id = None
         self.made_calls = False
 
     def feed(self, new: str) -> list[dict]:
@@ -83,16 +83,8 @@ class ChoiceStream:
             return [{"content": new}] if new else []
         if self.mode == "auto":
             return self._seen(self.parser_stream.feed(new))
-        if isinstance(self.mode, dict):  # the output is the arguments: streamed as they come
-            out = []
-            if self.named_id is None:
-                self.named_id = make_tool_call_id()
-                out.append({"tool_calls": [{"index": 0, "id": self.named_id, "type": "function",
-                                            "function": {"name": self.mode["function"]["name"], "arguments": ""}}]})
-                self.made_calls = True
-            if new:
-                out.append({"tool_calls": [{"index": 0, "function": {"arguments": new}}]})
-            return out
+        if self.named is not None:  # the output is the arguments: a header, then the text as it comes
+            return self._seen(self.named.complete(self.mode["function"]["name"], self.text))
         return []  # "required": the calls once the array is whole
 
     def finish(self) -> list[dict]:
@@ -103,10 +95,7 @@ class ChoiceStream:
         content, calls = tool_grammar.parse_tool_choice_output(self.text, "required")
         if not calls:
             return [{"content": content}] if content else []
-        self.made_calls = True
-        return [{"tool_calls": [{"index": i, "id": c.id, "type": "function",
-                                 "function": {"name": c.name, "arguments": c.arguments}}]}
-                for i, c in enumerate(calls)]
+        return self._seen([d for i, c in enumerate(calls) for d in CallDeltas(i, ()).complete(c.name, c.arguments)])
 
     def _seen(self, deltas: list[dict]) -> list[dict]:
         self.made_calls = self.made_calls or any("tool_calls" in d for d in deltas)
