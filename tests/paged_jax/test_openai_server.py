@@ -338,6 +338,9 @@ def test_auto_renders_tools_and_tool_messages_through_the_template(client, refer
     chunks = list(client.chat.completions.create(model="embedded", messages=messages, tools=[tool],
                                                  max_tokens=16, temperature=0.0, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    none = client.chat.completions.create(model="embedded", messages=messages, tools=[tool], max_tokens=16,
+                                          temperature=0.0, tool_choice="none")  # the same prompt, plain text
+    assert (none.choices[0].message.content, none.choices[0].message.tool_calls) == (want.text, None)
 
 
 @pytest.mark.parametrize("body, param", [

@@ -62,6 +62,22 @@ def test_greedy_tokens_are_the_models_best_allowed_ones(llm, spec, check):
     assert walk.is_finished
 
 
+def test_logprobs_are_of_the_masked_distribution_and_prefix_hits_keep_the_grammar(llm):
+    """vLLM reports a constrained row's logprobs after the grammar's mask: every token the choice
+    list forbids at the first step has -inf, and the allowed ones carry the whole probability. The
+    same request again reads its prompt from the prefix cache and gives the same output."""
+    choices = ["alpha", "beta"]
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, structured_outputs=Spec(choice=choices))
+    prompt = "def parse(x):\n    \"\"\"Read a value from the text and say which kind it is.\"\"\"\n    return "
+    first = llm.generate([prompt], params)[0]
+    again = llm.generate([prompt], params)[0]
+    assert again.num_cached_tokens > 0 and again.outputs[0].text == first.outputs[0].text in choices
+    entries = first.outputs[0].logprobs[0]
+    finite = {t: e for t, e in entries.items() if e.logprob > float("-inf")}
+    assert finite and all(any(c.startswith(e.decoded_token) for c in choices) for e in finite.values())
+    assert sum(np.exp(e.logprob) for e in finite.values()) <= 1 + 1e-5
+
+
 def test_constrained_and_unconstrained_requests_share_a_batch(llm):
     prompts = ["import os\n", "class A:\n", "x = "]
     free = SamplingParams(temperature=0.0, max_tokens=24)
