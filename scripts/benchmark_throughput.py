@@ -9,6 +9,7 @@ all submitted at once with ignore_eos, greedy, on one random Llama (58M paramete
     python scripts/benchmark_throughput.py --section window     # one KV budget, with and without a window
     python scripts/benchmark_throughput.py --section kv-dtype   # one KV budget: auto / int8 / fp8 pages
     python scripts/benchmark_throughput.py --section preemption # memory-starved: recompute, swap, host tier
+    python scripts/benchmark_throughput.py --section spec-decode --output-len 128  # n-gram speculation, SmolLM2
 
 Sections: `engines`: the paged engine (block_size 16); the same engine with block_size = max_model_len
 (a contiguous reservation of the longest answer per request); a plain JAX greedy loop over a dense KV
@@ -21,7 +22,9 @@ then 128 requests at the largest: the cost of a step must follow the work, not t
 behind it go back to the pool), one KV budget, long generations. `kv-dtype`: real weights, one KV
 budget, the pages in the model's dtype, int8 and fp8 (scripts/kv_dtype_section.py). `preemption`:
 fixed-length requests that overflow one KV budget, preempted by recompute or by swapping, with
-and without the prefix cache's host tier (scripts/bench_preemption.py). Run
+and without the prefix cache's host tier (scripts/bench_preemption.py). `spec-decode`: n-gram
+speculative decoding on SmolLM2, repeat/edit and free-text prompts, batch 1 and 8
+(scripts/spec_decode_section.py). Run
 time excludes jit compile time (each engine first runs other prompts of the same lengths).
 """
 from __future__ import annotations
@@ -38,7 +41,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 import numpy as np  # noqa: E402
 
 from paged_jax import SamplingParams  # noqa: E402
-from scripts import baselines, bench_preemption, benchlib, kv_dtype_section  # noqa: E402
+from scripts import baselines, bench_preemption, benchlib, kv_dtype_section, spec_decode_section  # noqa: E402
 
 COMMON = [("name", "method", "s")]
 COLUMNS = {
@@ -67,6 +70,7 @@ COLUMNS = {
                           ("run_s", "run s", ".2f"), ("compile_s", "compile s", ".1f"),
                           ("same_tokens", "same tokens", ".0%")],
 }
+SECTIONS = {"kv-dtype": kv_dtype_section, "spec-decode": spec_decode_section}
 CAPACITIES = ((8, 1024), (32, 1024), (256, 1024), (8, 32768), (256, 32768), (256, 131072))
 
 
@@ -194,8 +198,9 @@ def run_section(args, model):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--section", choices=(*COLUMNS, "kv-dtype"), default="engines")
-    ap.add_argument("--kv-model", help="kv-dtype: a model dir or .gguf (default: SmolLM2 if fetched, else stories260K)")
+    ap.add_argument("--section", choices=(*COLUMNS, *SECTIONS), default="engines")
+    ap.add_argument("--kv-model", help="kv-dtype, spec-decode: a model dir or .gguf (default: SmolLM2; kv-dtype "
+                                       "takes stories260K if SmolLM2 is not fetched)")
     ap.add_argument("--num-requests", type=int, default=None, help="default: 16 (engines, memory), 32 (prefix)")
     ap.add_argument("--input-len", type=int, default=160, help="mean prompt length")
     ap.add_argument("--output-len", type=int, default=340, help="mean answer length")
@@ -216,11 +221,15 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.max_model_len & (args.max_model_len - 1):
         ap.error(f"--max-model-len {args.max_model_len}: the contiguous run's block size, so a power of two")
-    if args.section == "kv-dtype":
-        args.output_len = 64 if args.output_len == ap.get_default("output_len") else args.output_len
-        rows, info = kv_dtype_section.kv_dtype_rows(args)
+    if args.section in SECTIONS:  # real weights, a section of its own
+        if args.output_len == ap.get_default("output_len"):
+            args.output_len = {"kv-dtype": 64, "spec-decode": 128}[args.section]
+        module = SECTIONS[args.section]
+        rows, info = getattr(module, args.section.replace("-", "_") + "_rows")(args)
         print(info)
-        benchlib.print_table(rows, kv_dtype_section.COLUMNS)
+        benchlib.print_table(rows, module.COLUMNS)
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(section=args.section, info=info, rows=rows), indent=2) + "\n")
         return
     args.num_requests = args.num_requests or (32 if args.section == "prefix" else 16)
     model = benchlib.random_llama(args, 131072 if args.section == "capacity" else args.max_model_len)

@@ -177,7 +177,10 @@ def report(args, llm, prompts, inputs, params):
     print(f"\nrequests {len(prompts)}, generated tokens {s['generation_tokens']}, "
           f"{s['generation_tokens'] / run_s:.1f} tok/s ({run_s:.2f} s run + {compile_s[0]:.2f} s compile), "
           f"KV cache peak usage {s['peak_blocks_used'] / (s['num_blocks'] - 1):.1%} of {s['num_blocks'] - 1} blocks, "
-          f"prefix-cache hit rate {s['prefix_cache_hit_rate']:.1%}, preemptions {s['num_preemptions']}")
+          f"prefix-cache hit rate {s['prefix_cache_hit_rate']:.1%}, preemptions {s['num_preemptions']}"
+          + (f", speculation: {s['spec_decode_num_drafts']} verifications, acceptance rate "
+             f"{s['spec_decode_acceptance_rate']:.1%}, mean accepted length {s['spec_decode_mean_accepted_length']:.2f}"
+             if "spec_decode_num_drafts" in s else ""))
 
 
 if __name__ == "__main__":

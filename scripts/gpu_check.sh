@@ -9,10 +9,13 @@
 #      and tok/s of each
 #   4. the engine's programs for Llama-3.1-8B at GPU defaults, each timed beside its roofline
 #      estimate (scripts/time_gpu_programs.py; the estimates are what compile_for_gpu.py prints)
+#   5. speculative decoding (n-gram) on Llama-3.2-1B's shape: tok/s against the plain engine, the
+#      same greedy tokens, and the timed costs of a decode step and a verification
+#      (scripts/gpu_spec_check.py)
 # From a source checkout with no install step (pytest's pythonpath is ".", the scripts put the
 # checkout on sys.path); it needs jax with CUDA, flax and the project's dependencies present.
 #   bash scripts/gpu_check.sh [REPORT_DIR]    (default: gpu_check/; the report is REPORT_DIR/report.md)
-# GPU_CHECK_STEPS (default "1 2 3 4") runs some of the steps: a 15-minute lease is better spent as
+# GPU_CHECK_STEPS (default "1 2 3 4 5") runs some of the steps: a 15-minute lease is better spent as
 # two calls (steps 1-3, then 4 or a rerun) than as one that leaves no time to rerun a fix.
 set -uo pipefail  # not -e: every step runs, and a failed one makes the exit status 1
 cd "$(dirname "$0")/.."
@@ -23,7 +26,7 @@ python="${PYTHON:-python3}"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda,cpu}"  # the CPU too: tests that compare against it use it
 status=0
 
-steps="${GPU_CHECK_STEPS:-1 2 3 4}"
+steps="${GPU_CHECK_STEPS:-1 2 3 4 5}"
 step() {  # step N TITLE SECONDS COMMAND...: run under a time limit; its output goes to the report
     local n=$1 title=$2 limit=$3 start=$SECONDS rc
     shift 3
@@ -95,6 +98,9 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 case "$gpu" in *H200*) target=h200;; *A100*) target=a100;; *B200*) target=b200;; *) target=h100;; esac
 step 4 "engine programs: measured beside the roofline ($target)" 180 "$python" scripts/time_gpu_programs.py \
     --gpu "$target" --model tests/data/configs/llama-3.1-8b.json --programs quick
+
+step 5 "speculative decoding: n-gram against plain decoding (Llama-3.2-1B shape, bf16)" 200 \
+    "$python" scripts/gpu_spec_check.py
 
 echo "wrote $report (exit status $status)"
 exit $status

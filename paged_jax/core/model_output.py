@@ -36,3 +36,4 @@ class ModelOutput:
     finish: np.ndarray  # i32[n]; 0 running, 1 stop token, 2 length
     steps: np.ndarray  # i32[]; model steps the call ran
     prompt_logprobs: PromptLogprobs | None = None  # prefill steps whose batch asked for them
+    num_accepted: np.ndarray | None = None  # i32[n]; drafts each row accepted (calls that verify proposals)

@@ -29,6 +29,9 @@ class Plan:
     tier_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     swap_in: list[tuple[int, list[int], int]] = dataclasses.field(default_factory=list)
     tier_in: list[tuple[int, list[int], int]] = dataclasses.field(default_factory=list)
+    # Speculative decoding: the proposals each decoding row verifies in this call (its scheduled
+    # tokens are its last sampled one and these); empty in a call that verifies none.
+    drafts: dict[Sequence, list[int]] = dataclasses.field(default_factory=dict)
     num_waiting: int = 0  # requests still waiting after this plan (the decode loop leaves early for them)
 
     # Decided when planned (the sequences move on after the call): only running sequences whose one

@@ -116,9 +116,15 @@ class Scheduler:
         self._set_tables(plan)
         return plan
 
-    def schedule(self) -> Plan:
-        """Plan the next step and apply its pool operations: vLLM's two passes."""
+    def schedule(self, drafts: dict[Sequence, list[int]] | None = None) -> Plan:
+        """Plan the next step and apply its pool operations: vLLM's two passes. `drafts`:
+        speculative proposals of decoding rows, scheduled after their last sampled token (as far as
+        the token budget allows) and verified by the call; blocks are mapped for them like any
+        token, and only the verified ones count as computed (`update_from_output`), so a rejected
+        tail is rolled back by the row's length alone: its blocks stay mapped and the row's next
+        call, which always reaches further, writes over them (vLLM keeps them too)."""
         plan, self._copies_pending = Plan(copies_first=self._copies_pending), []
+        drafts = drafts or {}
         budget, kv = self.max_num_batched_tokens, self.kv_manager
 
         # Pass 1: running sequences in admission order; preempt from the back when blocks run out.
@@ -127,12 +133,16 @@ class Scheduler:
         while i < len(self.running):
             seq = self.running[i]
             kv.remove_skipped_blocks(seq)
-            n = self._chunk(seq.num_tokens - seq.num_computed, budget)
+            spec = drafts.get(seq, []) if seq.num_tokens - seq.num_computed == 1 else []
+            for extra in ([len(spec)] if spec else []) + [0]:  # proposals never preempt: dropped first
+                n = self._chunk(seq.num_tokens - seq.num_computed + extra, budget)
+                target = max(seq.num_computed + n, kv.num_mapped(seq.slot))
+                need = kv.num_blocks_for(target) - kv.num_blocks_of(seq.slot) + self._fork_blocks(seq, n)
+                if need + pending <= kv.num_free:
+                    break
             if n == 0:
                 i += 1
                 continue
-            target = max(seq.num_computed + n, kv.num_mapped(seq.slot))
-            need = kv.num_blocks_for(target) - kv.num_blocks_of(seq.slot) + self._fork_blocks(seq, n)
             while need + pending > kv.num_free and self.running:
                 victim = self.running.pop()
                 victim.host_blocks = self.host.swap_out(victim, kv, plan.swap_out, sliding_window=self.sliding_window)
@@ -150,6 +160,8 @@ class Scheduler:
             grows.append((seq, n, target))
             pending += need
             plan.scheduled.append((seq, n))
+            if spec and n > 1:
+                plan.drafts[seq] = spec[: n - 1]
             budget -= n
             i += 1
         for victim in plan.preempted:  # the last preempted is first in line, as vLLM's prepend
@@ -280,8 +292,8 @@ class Scheduler:
             taken = int(np.sum(output.tokens[row] >= 0))
             if n is None:  # a forked child: the parent's computed prompt
                 seq.num_computed = seq.num_tokens
-            else:
-                seq.num_computed += taken if plan.is_decode else n
+            else:  # a decoding row's cache holds its last token and the drafts it accepted
+                seq.num_computed += taken if plan.is_decode or seq in plan.drafts else n
             seq.token_ids += output.tokens[row, :taken].tolist()
             seq.token_logprobs += output.logprob[row, :taken].tolist()
             # Prompt chunks too (a request admitted next step can hit them), and after the new

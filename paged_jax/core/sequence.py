@@ -42,6 +42,7 @@ class Sequence:
     token_logprobs: list[float] = dataclasses.field(default_factory=list)  # of each output token
     logprobs: list[dict] | None = None  # top-N entries per output token, when asked for
     stop_reason: int | str | None = None
+    spec_rate: float = 1.0  # speculative decoding: its proposals' running acceptance rate (engine/speculative.py)
     # The output side's state of it (text, detokenizer offsets, what streaming sent) is the output
     # processor's (engine/output_processor.py: OutputState), not the scheduler's.
     @property

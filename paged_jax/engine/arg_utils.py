@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from paged_jax import attention
 from paged_jax.engine import config as config_lib
+from paged_jax.engine import speculative
 from paged_jax.worker import model_runner, sharding
 
 DTYPES = ("float32", "bfloat16")
@@ -53,6 +54,8 @@ class EngineArgs:
     enable_host_prefix_cache: bool = _arg(False, None, "keep the prefix cache's evicted blocks in that host "
                                                        "memory, copied back on a hit")
     async_scheduling: bool = _arg(True, None, "plan the next decode call while the device runs this one")
+    speculative_config: dict | None = _arg(None, str, 'speculative decoding, vLLM\'s JSON: {"method": "ngram", '
+                                                      '"num_speculative_tokens": 4, "prompt_lookup_max": 4}')
     log_stats: bool = _arg(True, None, "print the KV cache's size at start", cli=False)
 
     def __post_init__(self):
@@ -77,6 +80,8 @@ class EngineArgs:
         for name in ("enable_prefix_caching", "enable_host_prefix_cache", "async_scheduling", "log_stats"):
             if getattr(self, name) not in (True, False):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        # A dict (or --speculative-config's JSON text) becomes the checked SpeculativeConfig.
+        object.__setattr__(self, "speculative_config", speculative.SpeculativeConfig.parse(self.speculative_config))
         if self.enable_host_prefix_cache and not self.enable_prefix_caching:
             raise ValueError("enable_host_prefix_cache=True needs enable_prefix_caching=True (it keeps the "
                              "prefix cache's evicted blocks)")
@@ -131,7 +136,7 @@ class EngineArgs:
         backend = attention.resolve_backend(self.attention_backend, dtype=c.dtype, head_dim=c.head_dim,
                                             block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype)
         kv_dtype = attention.check_kv_cache_dtype(self.kv_cache_dtype, backend, c.dtype)
-        return config_lib.resolve(
+        config = config_lib.resolve(
             c, block_size=self.block_size, num_blocks=self.num_blocks,
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_fraction=self.kv_cache_memory_fraction,
@@ -144,3 +149,5 @@ class EngineArgs:
             kv_shards=sharding.tensor_parallel_size(mesh), sliding_window=getattr(c, "kv_window", None),
             kv_cache_dtype=self.kv_cache_dtype, preemption_mode=self.preemption_mode, swap_space=self.swap_space,
             enable_host_prefix_cache=self.enable_host_prefix_cache)
+        spec = self.speculative_config
+        return dataclasses.replace(config, num_speculative_tokens=spec.num_speculative_tokens if spec else 0)

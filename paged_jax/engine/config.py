@@ -30,6 +30,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap": a victim's blocks go to host memory
     swap_space: float = 0.0  # GiB of host memory for swapped blocks and the host prefix cache
     enable_host_prefix_cache: bool = False  # evicted cached blocks are kept in host memory
+    num_speculative_tokens: int = 0  # proposals a row verifies per call (speculative decoding), 0: off
 
     @property
     def uses_host_memory(self) -> bool:

@@ -17,7 +17,7 @@ from paged_jax.core.prefix_cache import PrefixCache
 from paged_jax.core.scheduler import Scheduler
 from paged_jax.core.sequence import Request, Sequence, Status
 from paged_jax.engine import config as config_lib
-from paged_jax.engine import warm_up
+from paged_jax.engine import speculative, warm_up
 from paged_jax.engine.arg_utils import EngineArgs
 from paged_jax.engine.output_processor import OutputProcessor
 from paged_jax.engine.outputs import RequestOutput
@@ -65,7 +65,11 @@ class LLMEngine:
             host_pool=HostBlockPool(self.model_runner.num_host_blocks) if c.uses_host_memory else None,
             swap_preemption=c.preemption_mode == "swap", host_tier=c.enable_host_prefix_cache,
             num_decode_steps=c.num_decode_steps)
-        self.async_scheduling = args.async_scheduling
+        # Speculative decoding: proposals need the latest tokens, so its calls are planned serially.
+        self.speculator = (speculative.Speculator(args.speculative_config, c.max_model_len, max_num_seqs=c.max_num_seqs,
+                                                  max_num_batched_tokens=c.max_num_batched_tokens)
+                           if args.speculative_config else None)
+        self.async_scheduling = args.async_scheduling and self.speculator is None
         self._in_flight: model_runner.Call | None = None  # a decode call dispatched, not yet processed
         self.requests: dict[str, Request] = {}
         self._finished_outside_step: set[str] = set()  # rejected or aborted: reported by the next step
@@ -153,8 +157,8 @@ class LLMEngine:
             return f"the prompt has {n} tokens, max_model_len is {c.max_model_len} (one more is needed for output)"
         longest = min(c.max_model_len, n + (params.max_tokens or c.max_model_len))
         chunk = min(n, c.max_num_batched_tokens, c.long_prefill_token_threshold or n)
-        need = (config_lib.blocks_per_seq(longest, c.block_size, self.scheduler.sliding_window,
-                                          max(chunk, c.num_decode_steps))
+        step = max(chunk, c.num_decode_steps, c.num_speculative_tokens + 1)
+        need = (config_lib.blocks_per_seq(longest, c.block_size, self.scheduler.sliding_window, step)
                 + (params.n - 1) * int(n % c.block_size != 0))
         if need > c.num_blocks - 1:
             return f"the request may need {need} blocks, the KV cache holds {c.num_blocks - 1}"
@@ -200,7 +204,8 @@ class LLMEngine:
                 self.counters["overlapped_calls"] += 1
                 self._in_flight = self.model_runner.dispatch(after, prev=call)
         elif self.scheduler.has_work:
-            plan = self.scheduler.schedule()
+            drafts = self.speculator.propose(self.scheduler.running) if self.speculator else None
+            plan = self.scheduler.schedule(drafts)
             self._count_plan(plan)
             call = self.model_runner.dispatch(plan)
             if plan.is_decode and self.async_scheduling and not plan.one_step:  # processed next step
@@ -221,8 +226,12 @@ class LLMEngine:
         """Fetch a call's output and apply it: the scheduler's transitions, then the output side's
         (logprobs, text, stop strings), then the stop strings' finishes -> the requests touched."""
         plan, output = call.plan, self.model_runner.fetch(call)
+        if self.speculator:
+            self._time_call(plan, int(output.steps), time.perf_counter() - call.start)
         progressed = self.scheduler.update_from_output(plan, output)
         stopped, num_new = self.output_processor.process_outputs(plan, output, progressed)
+        if plan.drafts:
+            self._record_acceptance(plan, output)
         complete, refused = self.structured_outputs.advance(progressed)
         for seq in stopped + complete:
             self.scheduler.finish(seq, Status.FINISHED_STOPPED)
@@ -231,6 +240,21 @@ class LLMEngine:
         self.counters["generation_tokens"] += num_new
         self._count_steps(plan, int(output.steps))
         return {seq.request.request_id for seq, _, _ in progressed}
+
+    def _time_call(self, plan, steps: int, seconds: float) -> None:
+        """The speculator's costs: decode calls per step, and verification calls of decoding rows
+        alone (a prefill chunk in the call would price it as well)."""
+        if plan.is_decode and steps:
+            self.speculator.observe(self.speculator.step_key(len(plan.scheduled)), seconds / steps)
+        elif plan.drafts and not (plan.admitted or plan.forks or plan.preempted) and all(
+                n == 1 + len(plan.drafts.get(seq, ())) for seq, n in plan.scheduled):
+            self.speculator.observe(self.speculator.verify_key(sum(n for _, n in plan.scheduled)), seconds)
+
+    def _record_acceptance(self, plan, output) -> None:
+        for row, (seq, _) in enumerate(plan.scheduled):
+            drafts = plan.drafts.get(seq)
+            if drafts:
+                self.speculator.record(seq, len(drafts), int(output.num_accepted[row]))
 
     def _count_plan(self, plan):
         k = self.counters
@@ -258,6 +282,8 @@ class LLMEngine:
         """Every counter of the engine, its scheduler and its runner back to zero."""
         self.scheduler.reset_counters()
         self.model_runner.reset_counters()
+        if self.speculator:
+            self.speculator.reset_counters()
         self._reset_counters()
 
     @property
@@ -290,4 +316,4 @@ class LLMEngine:
             prefill_steps=k["prefill_steps"], decode_calls=k["decode_calls"], decode_steps=k["decode_steps"],
             overlapped_calls=k["overlapped_calls"],
             busy_seconds=k["busy_seconds"], generation_throughput=k["generation_tokens"] / busy,
-            **self.model_runner.counters)
+            **(self.speculator.stats() if self.speculator else {}), **self.model_runner.counters)

@@ -22,9 +22,11 @@ def bucket(n: int, cap: int, low: int = 1) -> int:
     return min(max(low, 1 << (max(n, 1) - 1).bit_length()), cap)
 
 
-def token_bucket(n: int, cap: int) -> int:
-    """Pad a ragged batch of n tokens to a power of two (at least 16, at most `cap`)."""
-    return bucket(n, cap, MIN_TOKEN_BUCKET)
+def token_bucket(n: int, cap: int, verifying: bool = False) -> int:
+    """Pad a ragged batch of n tokens to a power of two (at least 16, at most `cap`). A call that
+    verifies speculative proposals pads from 1: a few decoding rows' 1 + k tokens are its whole
+    forward, whose cost on a compute-bound device grows with the padded count."""
+    return bucket(n, cap, 1 if verifying else MIN_TOKEN_BUCKET)
 
 
 @jax.tree_util.register_dataclass
@@ -55,6 +57,11 @@ class PrefillBatch:
     # Blocks loaded from host memory (swapped in, host prefix cache hits): host block j goes to
     # device block swap_blocks[j] (-1 pad); S = 0 when none is.
     swap_blocks: np.ndarray  # i32[S]
+    # Speculative decoding: row i's proposals drafts[i] (-1 pad) follow its last sampled token in
+    # the batch; spec_rows[i, j] is the batch token whose logits score its position j (the token
+    # after draft j - 1), -1 pad. J = num_speculative_tokens + 1 in a call that verifies, else 0.
+    spec_rows: np.ndarray  # i32[B, J]
+    drafts: np.ndarray  # i32[B, J - 1]
 
 
 @jax.tree_util.register_dataclass
@@ -95,28 +102,34 @@ def _tables(plan: Plan, num_rows: int, max_blocks_per_seq: int) -> np.ndarray:
 
 
 def prefill_batch(plan: Plan, *, block_size: int, max_num_seqs: int, max_blocks_per_seq: int,
-                  token_cap: int) -> PrefillBatch:
+                  token_cap: int, num_speculative_tokens: int = 0) -> PrefillBatch:
     rows = prefill_rows(plan)
     index = {seq.slot: i for i, seq in enumerate(rows)}
     num_rows = bucket(len(rows), max_num_seqs)
-    size = token_bucket(sum(n for _, n in plan.scheduled), token_cap)
+    size = token_bucket(sum(n for _, n in plan.scheduled), token_cap, verifying=bool(plan.drafts))
     i32 = np.int32
     tables = _tables(plan, num_rows, max_blocks_per_seq)
+    width = num_speculative_tokens + 1 if plan.drafts else 0
     b = dict(slots=np.full(num_rows, -1, i32), tokens=np.zeros(size, i32), positions=np.zeros(size, i32),
              token_row=np.full(size, -1, i32), block_tables=tables, query_start_loc=np.zeros(num_rows + 1, i32),
              attn_seq_lens=np.zeros(num_rows, i32), logits_rows=np.full(num_rows, -1, i32),
-             num_output=np.zeros(num_rows, i32), total_len=np.zeros(num_rows, i32))
+             num_output=np.zeros(num_rows, i32), total_len=np.zeros(num_rows, i32),
+             spec_rows=np.full((num_rows, width), -1, i32), drafts=np.full((num_rows, max(width - 1, 0)), -1, i32))
     b["slots"][: len(rows)] = [seq.slot for seq in rows]
     at = 0
     for i, (seq, n) in enumerate(plan.scheduled):
-        start, end = seq.num_computed, seq.num_computed + n
-        b["tokens"][at:at + n] = seq.token_ids[start:end]
-        b["positions"][at:at + n] = np.arange(start, end)
+        drafts = plan.drafts.get(seq, [])
+        start, end = seq.num_computed, seq.num_computed + n - len(drafts)
+        b["tokens"][at:at + n] = seq.token_ids[start:end] + drafts
+        b["positions"][at:at + n] = np.arange(start, start + n)
         b["token_row"][at:at + n] = i
-        b["attn_seq_lens"][i] = end
+        b["attn_seq_lens"][i] = start + n
         if end == seq.num_tokens:  # the chunk completes what is known: sample the next token
-            b["logits_rows"][i] = at + n - 1
+            b["logits_rows"][i] = at + n - 1 - len(drafts)
             b["num_output"][i], b["total_len"][i] = seq.num_output + 1, seq.num_tokens + 1
+            if width:
+                b["spec_rows"][i, : len(drafts) + 1] = b["logits_rows"][i] + np.arange(len(drafts) + 1)
+                b["drafts"][i, : len(drafts)] = drafts
         at += n
         b["query_start_loc"][i + 1] = at
     b["query_start_loc"][len(plan.scheduled) + 1:] = at
@@ -133,6 +146,8 @@ def prefill_batch(plan: Plan, *, block_size: int, max_num_seqs: int, max_blocks_
         i, p = index[child.slot], index[parent.slot]
         b["logits_rows"][i] = b["logits_rows"][p]
         b["num_output"][i], b["total_len"][i] = 1, parent.num_tokens + 1
+        if width:
+            b["spec_rows"][i, 0] = b["logits_rows"][p]
     return PrefillBatch(**b)
 
 

@@ -99,7 +99,8 @@ class ModelRunner:
         self._reset_penalty_rows([s for s, _ in plan.scheduled if s.slot in plan.admitted]
                                  + [child for child, _ in plan.forks])
         batch = batching.prefill_batch(plan, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
-                                       max_blocks_per_seq=c.max_blocks_per_seq, token_cap=c.max_num_batched_tokens)
+                                       max_blocks_per_seq=c.max_blocks_per_seq, token_cap=c.max_num_batched_tokens,
+                                       num_speculative_tokens=c.num_speculative_tokens)
         sp = self._row_params(seqs, batch.slots.shape[0])
         self.state, out = runner.prefill_step(self.graphdef, self.params, self.state, batch, sp,
                                               self._load(plan, batch), flags=self._prefill_flags(seqs, plan, batch))

@@ -65,17 +65,19 @@ def decode_program(model, sizing: Sizing, *, num_rows: int, width: int, num_step
                                      num_steps=num_steps).compile()
 
 
-def prefill_program(model, sizing: Sizing, *, num_tokens: int, num_rows: int, width: int) -> jax.stages.Compiled:
+def prefill_program(model, sizing: Sizing, *, num_tokens: int, num_rows: int, width: int,
+                    num_speculative_tokens: int = 0) -> jax.stages.Compiled:
     """`runner.prefill_step` for a ragged batch of `num_tokens` tokens over `num_rows` rows, tables
-    `width` blocks wide (one program serves greedy and sampled rows)."""
+    `width` blocks wide (one program serves greedy and sampled rows); with `num_speculative_tokens`,
+    the variant that verifies that many proposals per row."""
     graphdef, params = nnx.split(model)
-    r, t = num_rows, num_tokens
+    r, t, j = num_rows, num_tokens, num_speculative_tokens + 1 if num_speculative_tokens else 0
     batch = batching.PrefillBatch(
         slots=_i32(r), tokens=_i32(t), positions=_i32(t), token_row=_i32(t), slot_mapping=_i32(t),
         block_tables=_i32(r, width), query_start_loc=_i32(r + 1), attn_seq_lens=_i32(r), logits_rows=_i32(r),
         copy_src=_i32(0), copy_dst=_i32(0), num_output=_i32(r), total_len=_i32(r),
         prompt_lp_tokens=_i32(0), prompt_lp_targets=_i32(0), prompt_lp_rows=_i32(0), prompt_lp_positions=_i32(0),
-        swap_blocks=_i32(0))
+        swap_blocks=_i32(0), spec_rows=_i32(r, j), drafts=_i32(r, max(j - 1, 0)))
     sp = batching.row_params([], r, (), sizing.max_model_len)
     flags = runner.Flags(sizing.attention_backend)
     return runner.prefill_step.lower(graphdef, params, abstract_state(model, sizing), batch, sp, flags=flags).compile()

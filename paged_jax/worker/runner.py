@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from paged_jax.attention import AttentionMetadata, KVCache, copy_blocks
 from paged_jax.core.model_output import ModelOutput, PromptLogprobs
-from paged_jax.worker import sampler, swap
+from paged_jax.worker import rejection_sampler, sampler, swap
 from paged_jax.worker.batching import DecodeBatch, PrefillBatch
 
 
@@ -56,9 +56,9 @@ def _penalty_rows(state: DeviceState, slots, flags: Flags):
     return state.output_counts[safe], state.prompt_mask[safe]
 
 
-def _count_tokens(counts, tokens, live):  # i32[B, V], i32[B], bool[B] -> i32[B, V]
-    rows = jnp.arange(tokens.shape[0])
-    return counts.at[rows, jnp.where(live, tokens, counts.shape[1])].add(1, mode="drop")
+def _count_tokens(counts, tokens):  # i32[B, V], i32[B, J] (-1: none) -> i32[B, V]
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    return counts.at[rows, jnp.where(tokens >= 0, tokens, counts.shape[1])].add(1, mode="drop")
 
 
 def _put_counts(state: DeviceState, slots, counts) -> DeviceState:
@@ -69,7 +69,8 @@ def _put_counts(state: DeviceState, slots, counts) -> DeviceState:
 @functools.partial(jax.jit, static_argnames=("graphdef", "flags"), donate_argnames=("state",))
 def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: sampler.SlotParams,
                  swapped=None, *, flags: Flags):
-    """One ragged forward over the batch's rows -> (state, ModelOutput with k = 1).
+    """One ragged forward over the batch's rows -> (state, ModelOutput with k = 1, or k = J when
+    rows carry speculative proposals: each row's verified tokens, worker/rejection_sampler.py).
     `swapped`: the blocks of rows resumed after a swap or hitting the host prefix tier
     (`swap.gather_blocks`' layout), written to `batch.swap_blocks` before the forward; None when no
     row loads any."""
@@ -80,14 +81,16 @@ def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: 
     md = AttentionMetadata(slot_mapping=batch.slot_mapping, block_tables=batch.block_tables,
                            seq_lens=batch.attn_seq_lens, query_start_loc=batch.query_start_loc)
     model = nnx.merge(graphdef, params)
-    wanted = jnp.maximum(batch.logits_rows, 0)
+    verifying = batch.drafts.shape[1] > 0  # static: some row's proposals are scored (speculative decoding)
+    wanted = jnp.maximum(batch.spec_rows if verifying else batch.logits_rows, 0).reshape(-1)
+    num_wanted = wanted.shape[0]
     if flags.num_prompt_logprobs is not None:  # prompt tokens' logits too, only in steps that ask
         wanted = jnp.concatenate([wanted, jnp.maximum(batch.prompt_lp_tokens, 0)])
     logits, cache = model(batch.tokens, batch.positions, cache, md, wanted,
                           backend=flags.backend, mesh=flags.mesh)
     prompt = None
     if flags.num_prompt_logprobs is not None:
-        logits, prompt_logits = logits[:num_rows], logits[num_rows:]
+        logits, prompt_logits = logits[:num_wanted], logits[num_wanted:]
         prompt = PromptLogprobs(batch.prompt_lp_rows, batch.prompt_lp_positions, *sampler.token_logprobs(
             prompt_logits, batch.prompt_lp_targets, flags.num_prompt_logprobs))
     if flags.forks:  # copy-on-write of the forks' partial tail blocks, once the parents' K/V is in
@@ -95,16 +98,23 @@ def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: 
 
     live = batch.logits_rows >= 0
     penalties = _penalty_rows(state, batch.slots, flags)
-    tokens, logprob, rank, top_ids, top_lps = sampler.sample(
-        logits, sp, batch.num_output - 1, penalties, filters=flags.filters, num_logprobs=flags.num_logprobs,
-        random=flags.random)
-    finish = jnp.where(live, sampler.stop_check(tokens, sp, batch.num_output, batch.total_len), 0)
+    accepted = None
+    if verifying:
+        tokens, logprob, rank, top_ids, top_lps, finish, accepted = rejection_sampler.verify(
+            logits.reshape(num_rows, batch.spec_rows.shape[1], -1), batch.drafts, sp, batch.num_output,
+            batch.total_len, penalties, filters=flags.filters, num_logprobs=flags.num_logprobs, random=flags.random)
+    else:
+        tokens, logprob, rank, top_ids, top_lps = (x[:, None] for x in sampler.sample(
+            logits, sp, batch.num_output - 1, penalties, filters=flags.filters, num_logprobs=flags.num_logprobs,
+            random=flags.random))
+        finish = sampler.stop_check(tokens[:, 0], sp, batch.num_output, batch.total_len)
+    tokens = jnp.where(live[:, None], tokens, -1)
     new = dataclasses.replace(state, cache=cache)
     if penalties is not None:
-        new = _put_counts(new, batch.slots, _count_tokens(penalties[0], tokens, live))
-    out = ModelOutput(tokens=jnp.where(live, tokens, -1)[:, None], logprob=logprob[:, None], rank=rank[:, None],
-                      top_ids=top_ids[:, None], top_logprobs=top_lps[:, None], finish=finish,
-                      steps=jnp.int32(1), prompt_logprobs=prompt)
+        new = _put_counts(new, batch.slots, _count_tokens(penalties[0], tokens))
+    out = ModelOutput(tokens=tokens, logprob=logprob, rank=rank, top_ids=top_ids, top_logprobs=top_lps,
+                      finish=jnp.where(live, finish, 0), steps=jnp.int32(1), prompt_logprobs=prompt,
+                      num_accepted=accepted)
     return new, out
 
 
@@ -156,7 +166,7 @@ def decode_steps(graphdef, params, state: DeviceState, batch: DecodeBatch, sp: s
                  top_logprobs=out["top_logprobs"].at[:, step].set(top_lps),
                  finish=jnp.where(finish > 0, finish, out["finish"]))
         if counts is not None:
-            counts = _count_tokens(counts, tokens, active)
+            counts = _count_tokens(counts, jnp.where(active, tokens, -1)[:, None])
         return (cache, counts, o, jnp.where(active, tokens, last), active & (finish == 0),
                 num_output + active, total_len + active, step + 1)
 

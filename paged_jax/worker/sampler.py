@@ -117,6 +117,20 @@ def sample(logits, sp: SlotParams, num_output, penalties=None, *, filters: bool,
     grammar's mask where a row has one (as vLLM masks the logits before its sampler). `random`
     (static): some row samples with a temperature; False when every row is greedy.
     """
+    raw, lse, logits = prepare(logits, sp, num_output, penalties)
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if random:  # a batch of greedy rows draws no noise: S x V random bits cost more than the argmax
+        keys = jax.vmap(jax.random.fold_in)(sp.key, num_output)
+        drawn = jax.vmap(jax.random.categorical)(keys, scaled(logits, sp, filters=filters)).astype(jnp.int32)
+        tokens = jnp.where(sp.temperature < SAMPLING_EPS, tokens, drawn)
+
+    return (tokens, *token_logprobs(raw, tokens, num_logprobs, lse))
+
+
+def prepare(logits, sp: SlotParams, num_output, penalties=None):
+    """The logits a row samples from, before its temperature: the grammar's mask, the penalties,
+    and min_tokens (stop tokens cannot be sampled before the minimum) -> (raw f32[S, V]: the
+    model's, masked, which logprobs score; lse f32[S] of raw; the logits to sample f32[S, V])."""
     logits = logits.astype(jnp.float32)
     if sp.allowed.shape[-1]:  # static: only programs whose batch holds a grammar's row mask
         logits = apply_token_bitmask(logits, sp.allowed)
@@ -124,22 +138,18 @@ def sample(logits, sp: SlotParams, num_output, penalties=None, *, filters: bool,
     lse = jax.nn.logsumexp(raw, axis=-1)
     if penalties is not None:
         logits = apply_penalties(logits, sp, *penalties)
-    # min_tokens: stop tokens cannot be sampled before the minimum is reached.
     vocab = logits.shape[-1]
     blocked = (num_output < sp.min_tokens)[:, None] & (sp.stop_ids >= 0)
     logits = logits.at[jnp.arange(logits.shape[0])[:, None], jnp.where(blocked, sp.stop_ids, vocab)].set(
         NEG_INF, mode="drop")
+    return raw, lse, logits
 
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if random:  # a batch of greedy rows draws no noise: S x V random bits cost more than the argmax
-        scaled = logits / jnp.maximum(sp.temperature, SAMPLING_EPS)[:, None]
-        if filters:
-            scaled = _filter(scaled, sp)
-        keys = jax.vmap(jax.random.fold_in)(sp.key, num_output)
-        drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-        tokens = jnp.where(sp.temperature < SAMPLING_EPS, tokens, drawn)
 
-    return (tokens, *token_logprobs(raw, tokens, num_logprobs, lse))
+def scaled(logits, sp: SlotParams, *, filters: bool):
+    """The distribution a sampled row draws from (log-space, unnormalised): temperature, then
+    top-k / top-p / min-p when some row uses them (static `filters`)."""
+    out = logits / jnp.maximum(sp.temperature, SAMPLING_EPS)[:, None]
+    return _filter(out, sp) if filters else out
 
 
 def token_logprobs(logits, tokens, num_logprobs: int, lse=None):

@@ -88,6 +88,18 @@ def test_an_int8_cache_shards_its_scales_with_its_pages_and_gives_one_devices_to
     assert split == single
 
 
+def test_speculative_decoding_on_two_shards_gives_one_devices_tokens():
+    """n-gram proposals verified on a tp=2 engine: the plain single-device engine's greedy tokens."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    single = LLM(random_model(tiny_config()), block_size=8, num_blocks=32, max_num_seqs=4, log_stats=False)
+    split = LLM(random_model(tiny_config()), block_size=8, num_blocks=32, max_num_seqs=4, log_stats=False,
+                tensor_parallel_size=2, num_decode_steps=4, speculative_config=ngram)
+    assert ([o.outputs[0].token_ids for o in split.generate(PROMPTS, greedy)]
+            == [o.outputs[0].token_ids for o in single.generate(PROMPTS, greedy)])
+    assert split.stats()["spec_decode_num_drafts"] > 0
+
+
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 def test_qwen_biases_and_qk_norms_shard(model_type):
     """tp=4 over 2 KV heads: Qwen2's k/v biases are replicated with their heads, Qwen3's norms whole."""

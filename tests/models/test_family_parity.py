@@ -113,3 +113,21 @@ def test_what_the_engine_reads_of_a_window(save_hf):
     directory, _ = save_hf(family_config("gemma2"), "gemma2")
     config = load_model(directory).config
     assert config.layer_windows == (16, None, 16) and config.kv_window is None
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral_window"])
+def test_speculative_greedy_tokens_match_transformers(save_hf, family):
+    """n-gram speculative decoding (every 1-gram proposes, so most calls verify) on a pool tight
+    enough to preempt, with prefix hits and, for Mistral, the window freeing blocks behind it:
+    transformers' greedy tokens."""
+    directory, hf_model = save_hf(family_config(family))
+    expected = hf_greedy(hf_model, PROMPTS)
+    windowed = family == "mistral_window"
+    llm = LLM(str(directory), block_size=8, num_blocks=9 if windowed else 16, max_num_seqs=4, num_decode_steps=4,
+              max_num_batched_tokens=16 if windowed else None, log_stats=False,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 2})
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["spec_decode_num_drafts"] >= 10 and stats["spec_decode_num_accepted_tokens"] > 0

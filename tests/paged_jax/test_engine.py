@@ -139,8 +139,8 @@ def test_a_one_token_prefill_chunk_is_not_run_as_a_decode(hf_llama):
     steps = []  # (is_decode, pending tokens of each scheduled sequence) at planning time
     schedule = llm.engine.scheduler.schedule
 
-    def spy():
-        plan = schedule()
+    def spy(*args):
+        plan = schedule(*args)
         steps.append((plan.is_decode, [seq.num_tokens - seq.num_computed for seq, _ in plan.scheduled]))
         return plan
 

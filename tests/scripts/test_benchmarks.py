@@ -120,3 +120,34 @@ def test_picture_is_a_small_png(tmp_path, pool_moments):  # after the fixture: i
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and 0 < len(data) < 200_000
     width, height = struct.unpack(">II", data[16:24])
     assert (width, height) == (500, 440)  # figsize (10, 2 * 4 moments + 0.8) inches at 50 dpi
+
+
+def test_spec_decode_section_compares_each_workload_and_batch_with_and_without(tmp_path, monkeypatch):
+    """The section on stories260K (no chat template: the prompts as text), one prompt per workload,
+    8 tokens: a row per workload, batch and engine; greedy speculation gives the plain tokens."""
+    from scripts import spec_decode_section
+
+    monkeypatch.setattr(spec_decode_section, "WORKLOADS", {"repeat/edit": ["Once upon a time, once upon a"],
+                                                           "free": ["Lily wanted to"]})
+    monkeypatch.setattr(spec_decode_section, "REPEATS", 1)
+    out = tmp_path / "spec.json"
+    benchmark_throughput.main(["--section", "spec-decode", "--kv-model", "tests/data/stories260K",
+                               "--output-len", "8", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["name"] for r in rows] == [f"{w}, batch {b}, {e}" for w in ("repeat/edit", "free") for b in (1, 8)
+                                         for e in ("off", "ngram")]
+    assert all(r["same_tokens"] == 1.0 and r["output_tokens"] == 8 for r in rows)
+    assert all(r["ratio"] == 1.0 and r["verifications"] == 0 for r in rows[::2])
+
+
+def test_gpu_spec_check_runs_on_a_small_config(tmp_path, capsys):
+    """gpu_check.sh's step 5 on a 2-layer config here: both batches, the same greedy tokens with
+    speculation, and the costs the engine timed."""
+    from scripts import gpu_spec_check
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(preset("tiny", vocab_size=1024, max_position_embeddings=2048).to_hf_config()))
+    gpu_spec_check.main(["--config", str(config), "--max-tokens", "24"])
+    out = capsys.readouterr().out
+    assert out.count("same tokens True") == 4 and "batch 8 ngram" in out
+    assert "timed step (rows 1)" in out

@@ -146,3 +146,20 @@ def test_a_gguf_file_brings_its_tokenizer_and_chat_template(smollm2_gguf, capsys
     printed = capsys.readouterr().out
     assert printed.startswith("\n=== prompt 1/1 ===\nWhat is the capital of France?The capital of France is Paris.\n")
     assert STATS.findall(printed) == [("1", "8")]
+
+
+def test_speculative_decoding_gives_the_same_text_and_reports_acceptance(capsys):
+    """--speculative-config (vLLM's JSON) on the embedded model: the greedy text of the plain run,
+    and the summary line counts the verifications with their acceptance."""
+    args = ["--prompt", "Once upon a time, there was a little girl. Once upon a time", "--max-tokens", "40",
+            "--temperature", "0", "--no-compilation-cache"]
+    generate.main(args)
+    plain = capsys.readouterr().out
+    generate.main(args + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
+                                                   '"prompt_lookup_min": 2, "prompt_lookup_max": 3}'])
+    spec = capsys.readouterr().out
+    assert spec.split("\nrequests ")[0] == plain.split("\nrequests ")[0]
+    found = re.search(r", speculation: (\d+) verifications, acceptance rate ([\d.]+)%, mean accepted length "
+                      r"([\d.]+)$", spec, re.MULTILINE)
+    assert found and int(found[1]) > 0 and 0 < float(found[2]) <= 100 and float(found[3]) > 1
+    assert "speculation" not in plain

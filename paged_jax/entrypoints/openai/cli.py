@@ -146,7 +146,7 @@ def _serve(args, llm, model: str) -> None:
         host, _ = distributed.parse_coordinator(args.coordinator)
         followers = StepSender(host, args.num_processes, args.distributed_timeout)
     name = args.served_model_name or (args.model or "embedded")
-    metrics = Metrics(name)
+    metrics = Metrics(name, llm.engine.config.num_speculative_tokens)
     seqs = llm.engine.config.max_num_seqs
     waiting = 4 * seqs if args.max_waiting_requests is None else args.max_waiting_requests
     async_llm = AsyncLLM(llm.engine, on_step=metrics.on_step, followers=followers, max_requests=seqs + waiting)

@@ -18,10 +18,14 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 COUNTERS = {"prompt_tokens": "vllm:prompt_tokens", "generation_tokens": "vllm:generation_tokens",
             "prefix_cache_queries": "vllm:prefix_cache_queries", "prefix_cache_hits": "vllm:prefix_cache_hits",
             "num_preemptions": "vllm:num_preemptions"}
+# With speculative decoding (vLLM's SpecDecodingProm); per position: accepted drafts at each index.
+SPEC_COUNTERS = {"spec_decode_num_drafts": "vllm:spec_decode_num_drafts",
+                 "spec_decode_num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+                 "spec_decode_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens"}
 
 
 class Metrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, num_speculative_tokens: int = 0):
         self.registry = CollectorRegistry()
         labels = dict(labelnames=["model_name", "engine"], registry=self.registry)
         values = dict(model_name=model_name, engine="0")
@@ -35,9 +39,15 @@ class Metrics:
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        names = {**COUNTERS, **(SPEC_COUNTERS if num_speculative_tokens else {})}
         self.counters = {key: Counter(name, f"Number of {key.replace('_', ' ')}.", **labels).labels(**values)
-                         for key, name in COUNTERS.items()}
-        self._seen = dict.fromkeys(COUNTERS, 0)
+                         for key, name in names.items()}
+        self._seen = dict.fromkeys(names, 0)
+        self.per_pos, self._seen_per_pos = [], [0] * num_speculative_tokens
+        if num_speculative_tokens:
+            per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                              labelnames=["model_name", "engine", "position"], registry=self.registry)
+            self.per_pos = [per_pos.labels(position=str(i), **values) for i in range(num_speculative_tokens)]
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           labelnames=["model_name", "engine", "finished_reason"], registry=self.registry)
         self.success = {reason: success.labels(finished_reason=reason, **values)
@@ -60,6 +70,10 @@ class Metrics:
         for key, counter in self.counters.items():
             counter.inc(stats[key] - self._seen[key])
             self._seen[key] = stats[key]
+        for i, counter in enumerate(self.per_pos):
+            value = stats["spec_decode_num_accepted_tokens_per_pos"][i]
+            counter.inc(value - self._seen_per_pos[i])
+            self._seen_per_pos[i] = value
         now = time.monotonic()
         for out in outputs:
             self._observe(out, now)

@@ -1,0 +1,280 @@
+"""Speculative decoding (n-gram proposals): the proposer's matches, the configuration's checks, the
+rejection sampler's exactness (chi-square against the target's distribution), the controller that
+turns speculation down, and the engine's greedy outputs equal to the plain engine's through
+preemption, prefix hits, stop strings and stop tokens inside accepted runs."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from paged_jax import LLM, SamplingParams
+from paged_jax.core.sequence import Request, Sequence
+from paged_jax.engine import speculative
+from paged_jax.engine.arg_utils import EngineArgs
+from paged_jax.worker import batching, rejection_sampler
+from tests.models.model_testing import random_model, tiny_config
+from tests.paged_jax.engine_testing import assert_pool_drained
+from tests.paged_jax.test_engine_api import greedy_reference, word_tokenizer
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(tiny_config(max_position_embeddings=1024, eos_token_id=None))
+
+
+@pytest.fixture
+def untimed(monkeypatch):
+    """Calls verify by the rows' acceptance alone, not by timed costs (which follow this machine's
+    load): the engine tests' counts of verifications do not depend on timing."""
+    def by_acceptance(self, found, num_rows):
+        return sum(seq.spec_rate * len(d) for seq, d in found.items()) >= speculative.MIN_EXPECTED_PER_ROW * num_rows
+
+    monkeypatch.setattr(speculative.Speculator, "_worth_verifying", by_acceptance)
+
+
+@pytest.mark.parametrize("tokens, n, k, expected", [
+    ([1, 2, 3, 4, 1, 2, 3], (1, 3), 2, [4, 1]),  # the 3-gram [1, 2, 3] occurred at 0
+    ([9, 1, 2, 5, 6, 1, 2, 7, 8, 1, 2], (2, 2), 2, [7, 8]),  # the latest occurrence k tokens follow
+    ([2, 2, 5, 6, 2, 2, 2], (2, 2), 2, [5, 6]),  # the latest (at 4) has 1 token after it: the one at 0
+    ([7, 7, 7, 7], (1, 2), 3, [7, 7]),  # a loop: [7, 7] first at 0, followed by two tokens
+    ([1, 2, 3, 4], (2, 3), 2, []),  # no n-gram of 2 or 3 repeats
+    ([5], (1, 1), 2, []),
+])
+def test_ngram_proposal_takes_the_longest_match(tokens, n, k, expected):
+    got = speculative.ngram_proposal(np.array(tokens, np.int32), *n, k)
+    assert got.tolist() == expected
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1, got 0"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ('ngram', 'draft_model'), got 'eagle'"),
+    ({"num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown keys ['lookahead']"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_min=4 exceeds prompt_lookup_max=2"),
+    ({"method": "draft_model", "model": "x.gguf", "num_speculative_tokens": 2}, "'draft_model' is not built"),
+    ("{method: ngram}", "speculative_config is not JSON"),
+])
+def test_bad_speculative_configs_are_named(model, config, message):
+    with pytest.raises(ValueError, match="speculative_config") as e:
+        LLM(model, log_stats=False, speculative_config=config)
+    assert message in str(e.value)
+
+
+def test_speculative_config_from_the_command_line():
+    import argparse
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])
+    config = EngineArgs.from_cli_args(args).speculative_config
+    assert config == speculative.SpeculativeConfig("ngram", 4, prompt_lookup_min=5, prompt_lookup_max=5)
+    assert EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                          "prompt_lookup_max": 3}).speculative_config.prompt_lookup_min == 3
+
+
+def _verify(logits, drafts, temperature, top_k=0, seed=0):
+    """Rows of one logits table [J, V], each with its own key; -> (tokens [B, J], num_accepted [B])."""
+    rows = drafts.shape[0]
+    params = SamplingParams(temperature=temperature, top_k=top_k)
+    keys = np.random.SeedSequence(seed).generate_state(2 * rows, np.uint32).reshape(rows, 2)
+    sp = batching.row_params([], rows, (), 1 << 20)
+    sp = jax.tree.map(np.asarray, sp)
+    sp = type(sp)(**{**sp.__dict__, "temperature": np.full(rows, temperature, np.float32),
+                     "top_k": np.full(rows, params.top_k, np.int32), "key": keys,
+                     "max_tokens": np.full(rows, 1 << 20, np.int32), "max_len": np.full(rows, 1 << 20, np.int32)})
+    out = jax.jit(rejection_sampler.verify, static_argnames=("filters", "num_logprobs", "random"))(
+        jnp.broadcast_to(logits, (rows, *logits.shape)), jnp.asarray(drafts), sp, jnp.ones(rows, jnp.int32),
+        jnp.full(rows, 8, jnp.int32), filters=top_k > 0, num_logprobs=0, random=temperature > 0)
+    return np.asarray(out[0]), np.asarray(out[6])
+
+
+def _target(logits, temperature, top_k=0):
+    z = np.asarray(logits, np.float64) / temperature
+    if top_k:
+        z = np.where(z >= np.sort(z)[-top_k], z, -np.inf)
+    p = np.exp(z - z.max())
+    return p / p.sum()
+
+
+LOGITS = np.array([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0],
+                   [0.0, 1.5, -0.5, 1.0, 0.2, -2.0],
+                   [1.0, 0.0, 0.0, 2.0, -1.0, 0.5]], np.float32)
+
+
+@pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.7, 3)])
+def test_rejection_sampling_keeps_the_target_distribution(temperature, top_k):
+    """40,000 rows, one key each, on a 6-token vocabulary. Drafts that disagree with the target
+    (token 4 first: p = 0.04 at temperature 1, outside the top 3) are mostly rejected and resampled
+    from the residual; drafts it likes (token 0, then 4) are mostly accepted. Every emitted position
+    is distributed as the target's own there (chi-square at a fixed seed, p > 0.001); a wrong
+    residual (resampling from p itself, say) fails this by a wide margin."""
+    rows = 40_000
+    for drafts, position in (([4, 0], 0), ([0, 4], 1)):
+        tokens, accepted = _verify(jnp.asarray(LOGITS), np.tile(np.array(drafts, np.int32), (rows, 1)),
+                                   temperature, top_k)
+        reached = np.all(tokens[:, :position] == np.array(drafts[:position]), axis=1)  # drafts before it accepted
+        seen = tokens[reached, position]
+        p = _target(LOGITS[position], temperature, top_k)
+        counts = np.bincount(seen, minlength=6)
+        assert counts[p == 0].sum() == 0
+        support = p > 0
+        assert stats.chisquare(counts[support], p[support] * seen.size).pvalue > 1e-3
+        # A row emits its accepted drafts and one more token, then -1.
+        assert np.all((tokens >= 0).sum(axis=1) == accepted + 1)
+        assert np.all(tokens[np.arange(rows), accepted] != np.array(drafts + [-1])[accepted])
+
+
+def test_greedy_verification_accepts_the_argmax_prefix():
+    drafts = np.array([[0, 1], [0, 3], [1, 1], [0, -1], [-1, -1]], np.int32)  # argmax: 0, 1, 3
+    tokens, accepted = _verify(jnp.asarray(LOGITS), drafts, 0.0)
+    assert accepted.tolist() == [2, 1, 0, 1, 0]
+    assert tokens.tolist() == [[0, 1, 3], [0, 1, -1], [0, -1, -1], [0, 1, -1], [0, -1, -1]]
+
+
+def test_a_call_verifies_when_its_tokens_per_second_beat_a_decode_step():
+    """Timed costs decide: 1 row, 4 drafts at rate 1 expect 5 tokens, worth a verification
+    costing up to 5 decode steps (its key: 5 tokens padded to 8)."""
+    spec = speculative.Speculator(speculative.SpeculativeConfig("ngram", 4, 1, 2), max_model_len=100,
+                                  max_num_seqs=8, max_num_batched_tokens=64)
+    seq = _sequence([3, 4, 5, 6, 3, 4, 5, 6, 3])
+    assert spec.verify_key(5) == ("verify", 8) and spec.step_key(3) == ("step", 4)
+    spec.observe(spec.step_key(1), 0.010)
+    spec.observe(spec.verify_key(5), 0.049)
+    assert spec.costs == {("step", 1): 0.010, ("verify", 8): 0.049}
+    speculative._NUM_COMPILES[0] += 1  # jax compiled during the call: its time is not a cost
+    spec.observe(spec.verify_key(5), 1.0)
+    assert spec.costs[("verify", 8)] == 0.049
+    spec.propose([])
+    assert spec.propose([seq]) == {seq: [4, 5, 6, 3]}
+    spec.observe(spec.verify_key(5), 0.054)  # the running cost moves a fifth of the way: 0.050
+    assert spec.propose([seq]) == {seq: [4, 5, 6, 3]}
+    spec.observe(spec.verify_key(5), 0.060)  # 0.052: five tokens no longer pay for it
+    assert spec.propose([seq]) == {}
+
+
+def _sequence(tokens, max_tokens=64):
+    request = Request("r", None, list(tokens[:2]), SamplingParams(max_tokens=max_tokens), 0.0)
+    seq = Sequence(request, 0, list(tokens), np.zeros(2, np.uint32), num_computed=len(tokens) - 1)
+    request.seqs.append(seq)
+    return seq
+
+
+def test_speculation_rests_where_proposals_fail():
+    """k = 4: each verification moves the rate half way to its acceptance; below 0.125 (0.5 expected
+    tokens) the row rests, its rate recovering 2% toward 1 per call, then probes again."""
+    spec = speculative.Speculator(speculative.SpeculativeConfig("ngram", 4, 1, 2), max_model_len=100,
+                                  max_num_seqs=8, max_num_batched_tokens=64)
+    seq = _sequence([3, 4, 5, 6, 3, 4, 5, 6, 3])
+    assert spec.propose([seq]) == {}  # a decode step is timed first
+    spec.observe(spec.step_key(1), 0.010)
+    assert spec.propose([seq]) == {seq: [4, 5, 6, 3]}
+    for rate in (0.5, 0.25, 0.125, 0.0625):
+        spec.record(seq, 4, 0)
+        assert seq.spec_rate == rate
+    calls = 0
+    while not spec.propose([seq]):
+        calls += 1
+    assert calls == 4 and 0.125 <= seq.spec_rate < 0.14
+    spec.record(seq, 4, 4)
+    assert spec.stats()["spec_decode_num_accepted_tokens_per_pos"] == [1, 1, 1, 1]
+    assert spec.stats()["spec_decode_num_drafts"] == 5 and spec.stats()["spec_decode_acceptance_rate"] == 0.2
+    # Proposals stop at max_tokens (7 outputs so far): 2 left is one draft and the token after it.
+    assert list(spec.propose([_sequence(seq.token_ids, max_tokens=9)]).values()) == [[4]]
+    assert spec.propose([_sequence(seq.token_ids, max_tokens=8)]) == {}
+
+
+def test_greedy_outputs_equal_the_plain_engines(model, untimed):
+    """Twelve greedy requests on a pool small enough to preempt, sharing prompt prefixes, each
+    stopping its own way (a stop string, a stop token, max_tokens, EOS) at points inside accepted
+    runs: the speculative engine's tokens, texts, finish and stop reasons and logprobs equal the
+    plain engine's, and its pool drains."""
+    prompt = [5, 17, 99, 3, 42, 8, 5, 17, 99, 3]
+    g = greedy_reference(model, prompt, 40)
+    tokenizer = word_tokenizer(eos_token_ids=(g[31],))
+    rng = np.random.default_rng(5)
+    prompts = [" ".join(f"w{t}" for t in ([*prompt, *rng.integers(1, 128, int(n)).tolist()] if i else prompt))
+               for i, n in enumerate(rng.integers(0, 12, 12))]
+    params = [SamplingParams(temperature=0.0, max_tokens=int(m), logprobs=2,
+                             stop=[f"w{g[7]}"] if i % 4 == 1 else [], stop_token_ids=[g[12]] if i % 4 == 2 else [],
+                             ignore_eos=i % 4 == 3)
+              for i, m in enumerate(rng.integers(8, 40, 12))]
+    results = {}
+    for config in (None, NGRAM):
+        llm = LLM(model, tokenizer=tokenizer, block_size=4, num_blocks=28, max_num_seqs=6, num_decode_steps=4,
+                  log_stats=False, speculative_config=config)
+        outs = llm.generate(prompts, params)
+        results[config is not None] = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
+                                        o.outputs[0].stop_reason) for o in outs]
+        results[(config is not None, "logprobs")] = [
+            [(t, lp.logprob) for entry in o.outputs[0].logprobs for t, lp in entry.items()] for o in outs]
+        s = llm.stats()
+        assert s["num_preemptions"] > 0 and s["prefix_cache_hits"] > 0
+        assert_pool_drained(llm)
+    assert results[True] == results[False]
+    for spec, plain in zip(results[(True, "logprobs")], results[(False, "logprobs")]):  # f32, other programs
+        assert [t for t, _ in spec] == [t for t, _ in plain]
+        np.testing.assert_allclose([lp for _, lp in spec], [lp for _, lp in plain], atol=1e-4)
+    assert results[True][0][0] == g[: len(results[True][0][0])]
+    assert {r[2] for r in results[True]} == {"stop", "length"}
+    assert s["spec_decode_num_drafts"] > 10 and s["spec_decode_num_accepted_tokens"] >= 10
+
+
+def test_stops_inside_an_accepted_run_end_where_plain_decoding_does(model, untimed):
+    """This prompt's greedy answer falls into a loop of one token, whose proposals are accepted
+    3 at a time: a stop string spanning three of them and a max_tokens ending inside such a run
+    cut the output exactly where the plain engine's ends."""
+    prompt = [5, 17, 99, 3, 42, 8, 5, 17, 99, 3, 42, 8]
+    g = greedy_reference(model, prompt, 24)
+    loop = g[-1]
+    assert g[-18:] == [loop] * 18 and g[:6].count(loop) == 0
+    tokenizer = word_tokenizer()
+    text = " ".join(f"w{t}" for t in prompt)
+    params = [SamplingParams(temperature=0.0, max_tokens=24, stop=[f"w{loop} w{loop} w{loop}"]),
+              SamplingParams(temperature=0.0, max_tokens=13), SamplingParams(temperature=0.0, max_tokens=24)]
+    outs = {}
+    for config in (None, NGRAM):
+        llm = LLM(model, tokenizer=tokenizer, block_size=4, num_blocks=64, max_num_seqs=4, num_decode_steps=2,
+                  log_stats=False, speculative_config=config)
+        outs[config is None] = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
+                                for o in [llm.generate(text, p)[0] for p in params]]
+    assert outs[True] == outs[False]
+    assert [len(ids) for ids, _, _ in outs[False]] == [len(g) - 18 + 3, 13, 24]
+    assert llm.stats()["spec_decode_num_accepted_tokens_per_pos"][2] >= 2
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(model, untimed):
+    """n = 2 sampled answers with seeds: the same tokens on every run, and the pool drains."""
+    params = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=30)
+    runs = []
+    for _ in range(2):
+        llm = LLM(model, block_size=4, num_blocks=64, max_num_seqs=4, num_decode_steps=4, log_stats=False,
+                  speculative_config=NGRAM)
+        out = llm.generate([[5, 17, 99, 3, 42, 8, 5, 17, 99, 3]], params)[0]
+        runs.append([c.token_ids for c in out.outputs])
+        assert llm.stats()["spec_decode_num_drafts"] > 0
+        assert_pool_drained(llm)
+    assert runs[0] == runs[1] and runs[0][0] != runs[0][1] and all(len(r) == 30 for r in runs[0])
+
+
+def test_metrics_count_drafts_and_accepted_tokens_per_position(model, untimed):
+    """/metrics's vLLM counters (prometheus text) equal llm.stats(), per position included."""
+    from prometheus_client import generate_latest
+
+    from paged_jax.entrypoints.openai.metrics import Metrics
+
+    llm = LLM(model, block_size=4, num_blocks=64, max_num_seqs=4, num_decode_steps=4, log_stats=False,
+              speculative_config=NGRAM)
+    metrics = Metrics("m", num_speculative_tokens=3)
+    llm.generate([[5, 17, 99, 3, 42, 8, 5, 17, 99, 3, 42, 8]], SamplingParams(temperature=0.0, max_tokens=24))
+    metrics.on_step(llm.engine, [])
+    text = generate_latest(metrics.registry).decode()
+    s = llm.stats()
+    labels = 'engine="0",model_name="m"'
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert f"vllm:spec_decode_{name}_total{{{labels}}} {float(s['spec_decode_' + name])}" in text
+    for i, n in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
+        assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{i}"}} {float(n)}' in text
+    assert s["spec_decode_num_accepted_tokens"] == sum(s["spec_decode_num_accepted_tokens_per_pos"]) > 0
+    assert "spec_decode" not in generate_latest(Metrics("m").registry).decode()
