@@ -67,7 +67,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config num_speculative_tokens must be an integer >= 1, got {k!r}")
         # vLLM's defaults: both 5 when neither is given, else the one given for both.
         low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
-        low, high = (low or high or 5), (high or low or 5)
+        low, high = (high if low is None else low), (low if high is None else high)
+        low, high = (5 if low is None else low), (5 if high is None else high)
         for name, n in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"speculative_config {name} must be an integer >= 1, got {n!r}")

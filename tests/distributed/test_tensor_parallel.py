@@ -88,7 +88,7 @@ def test_an_int8_cache_shards_its_scales_with_its_pages_and_gives_one_devices_to
     assert split == single
 
 
-def test_speculative_decoding_on_two_shards_gives_one_devices_tokens():
+def test_speculative_decoding_on_two_shards_gives_one_devices_tokens(untimed_speculation):
     """n-gram proposals verified on a tp=2 engine: the plain single-device engine's greedy tokens."""
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}

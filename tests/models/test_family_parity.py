@@ -116,7 +116,7 @@ def test_what_the_engine_reads_of_a_window(save_hf):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral_window"])
-def test_speculative_greedy_tokens_match_transformers(save_hf, family):
+def test_speculative_greedy_tokens_match_transformers(save_hf, family, untimed_speculation):
     """n-gram speculative decoding (every 1-gram proposes, so most calls verify) on a pool tight
     enough to preempt, with prefix hits and, for Mistral, the window freeing blocks behind it:
     transformers' greedy tokens."""

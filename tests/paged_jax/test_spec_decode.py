@@ -25,16 +25,6 @@ def model():
     return random_model(tiny_config(max_position_embeddings=1024, eos_token_id=None))
 
 
-@pytest.fixture
-def untimed(monkeypatch):
-    """Calls verify by the rows' acceptance alone, not by timed costs (which follow this machine's
-    load): the engine tests' counts of verifications do not depend on timing."""
-    def by_acceptance(self, found, num_rows):
-        return sum(seq.spec_rate * len(d) for seq, d in found.items()) >= speculative.MIN_EXPECTED_PER_ROW * num_rows
-
-    monkeypatch.setattr(speculative.Speculator, "_worth_verifying", by_acceptance)
-
-
 @pytest.mark.parametrize("tokens, n, k, expected", [
     ([1, 2, 3, 4, 1, 2, 3], (1, 3), 2, [4, 1]),  # the 3-gram [1, 2, 3] occurred at 0
     ([9, 1, 2, 5, 6, 1, 2, 7, 8, 1, 2], (2, 2), 2, [7, 8]),  # the latest occurrence k tokens follow
@@ -55,6 +45,7 @@ def test_ngram_proposal_takes_the_longest_match(tokens, n, k, expected):
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown keys ['lookahead']"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min=4 exceeds prompt_lookup_max=2"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min must be an integer >= 1"),
     ({"method": "draft_model", "model": "x.gguf", "num_speculative_tokens": 2}, "'draft_model' is not built"),
     ("{method: ngram}", "speculative_config is not JSON"),
 ])
@@ -185,7 +176,7 @@ def test_speculation_rests_where_proposals_fail():
     assert spec.propose([_sequence(seq.token_ids, max_tokens=8)]) == {}
 
 
-def test_greedy_outputs_equal_the_plain_engines(model, untimed):
+def test_greedy_outputs_equal_the_plain_engines(model, untimed_speculation):
     """Twelve greedy requests on a pool small enough to preempt, sharing prompt prefixes, each
     stopping its own way (a stop string, a stop token, max_tokens, EOS) at points inside accepted
     runs: the speculative engine's tokens, texts, finish and stop reasons and logprobs equal the
@@ -221,7 +212,7 @@ def test_greedy_outputs_equal_the_plain_engines(model, untimed):
     assert s["spec_decode_num_drafts"] > 10 and s["spec_decode_num_accepted_tokens"] >= 10
 
 
-def test_stops_inside_an_accepted_run_end_where_plain_decoding_does(model, untimed):
+def test_stops_inside_an_accepted_run_end_where_plain_decoding_does(model, untimed_speculation):
     """This prompt's greedy answer falls into a loop of one token, whose proposals are accepted
     3 at a time: a stop string spanning three of them and a max_tokens ending inside such a run
     cut the output exactly where the plain engine's ends."""
@@ -244,7 +235,7 @@ def test_stops_inside_an_accepted_run_end_where_plain_decoding_does(model, untim
     assert llm.stats()["spec_decode_num_accepted_tokens_per_pos"][2] >= 2
 
 
-def test_seeded_sampling_with_speculation_is_reproducible(model, untimed):
+def test_seeded_sampling_with_speculation_is_reproducible(model, untimed_speculation):
     """n = 2 sampled answers with seeds: the same tokens on every run, and the pool drains."""
     params = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=30)
     runs = []
@@ -258,7 +249,7 @@ def test_seeded_sampling_with_speculation_is_reproducible(model, untimed):
     assert runs[0] == runs[1] and runs[0][0] != runs[0][1] and all(len(r) == 30 for r in runs[0])
 
 
-def test_metrics_count_drafts_and_accepted_tokens_per_position(model, untimed):
+def test_metrics_count_drafts_and_accepted_tokens_per_position(model, untimed_speculation):
     """/metrics's vLLM counters (prometheus text) equal llm.stats(), per position included."""
     from prometheus_client import generate_latest
 

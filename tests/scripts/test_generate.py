@@ -148,7 +148,7 @@ def test_a_gguf_file_brings_its_tokenizer_and_chat_template(smollm2_gguf, capsys
     assert STATS.findall(printed) == [("1", "8")]
 
 
-def test_speculative_decoding_gives_the_same_text_and_reports_acceptance(capsys):
+def test_speculative_decoding_gives_the_same_text_and_reports_acceptance(capsys, untimed_speculation):
     """--speculative-config (vLLM's JSON) on the embedded model: the greedy text of the plain run,
     and the summary line counts the verifications with their acceptance."""
     args = ["--prompt", "Once upon a time, there was a little girl. Once upon a time", "--max-tokens", "40",
