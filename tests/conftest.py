@@ -35,10 +35,7 @@ def untimed_speculation(monkeypatch):
     verifications does not depend on timing."""
     from paged_jax.engine import speculative
 
-    def by_acceptance(self, found, num_rows):
-        return sum(seq.spec_rate * len(d) for seq, d in found.items()) >= speculative.MIN_EXPECTED_PER_ROW * num_rows
-
-    monkeypatch.setattr(speculative.Speculator, "_worth_verifying", by_acceptance)
+    monkeypatch.setattr(speculative.Speculator, "_worth_verifying", speculative.Speculator.expects_enough)
 
 
 @pytest.fixture(scope="session")

@@ -156,14 +156,22 @@ class Speculator:
         times its rate) against a decode step's (one token per row), from the timed costs. Untimed
         yet: plain decode calls first (a step's cost is what speculation must beat), then a
         verification whenever the rows expect MIN_EXPECTED_PER_ROW accepted drafts each."""
-        gain = sum(seq.spec_rate * len(d) for seq, d in found.items())
         step = self.costs.get(self.step_key(num_rows))
         if step is None:
             return False
         verify = self.costs.get(self.verify_key(num_rows + sum(len(d) for d in found.values())))
         if verify is None:
-            return gain >= MIN_EXPECTED_PER_ROW * num_rows
-        return (num_rows + gain) / verify >= num_rows / step
+            return self.expects_enough(found, num_rows)
+        return (num_rows + self._gain(found)) / verify >= num_rows / step
+
+    @staticmethod
+    def _gain(found: dict[Sequence, list[int]]) -> float:
+        """Drafts the rows expect to have accepted: each row's rate times its drafts."""
+        return sum(seq.spec_rate * len(d) for seq, d in found.items())
+
+    def expects_enough(self, found: dict[Sequence, list[int]], num_rows: int) -> bool:
+        """The rule without timed costs: MIN_EXPECTED_PER_ROW accepted drafts expected per row."""
+        return self._gain(found) >= MIN_EXPECTED_PER_ROW * num_rows
 
     def step_key(self, num_rows: int) -> tuple[str, int]:
         return "step", batching.bucket(num_rows, self.max_num_seqs)

@@ -47,9 +47,8 @@ def verify(logits, drafts, sp: sampler.SlotParams, num_output, total_len, penalt
     before = (num_output[:, None] - 1 + position).reshape(-1)  # output tokens before position j's token
     pens = None
     if penalties is not None:  # position j also counts drafts 0 .. j - 1 as output
-        seen = jnp.cumsum(jax.nn.one_hot(padded, vocab, dtype=jnp.int32), axis=1) - jax.nn.one_hot(
-            padded, vocab, dtype=jnp.int32)
-        counts = penalties[0][:, None, :] + seen
+        drafted = jax.nn.one_hot(padded, vocab, dtype=jnp.int32)  # i32[B, J, V]; -1 pads are all zero
+        counts = penalties[0][:, None, :] + jnp.cumsum(drafted, axis=1) - drafted
         pens = (counts.reshape(rows * width, vocab), flat(penalties[1]))
     raw, lse, target = sampler.prepare(logits.reshape(rows * width, vocab), fsp, before, pens)
 
@@ -73,8 +72,9 @@ def verify(logits, drafts, sp: sampler.SlotParams, num_output, total_len, penalt
                        jnp.take_along_axis(final, num_accepted[:, None], axis=1))  # valid up to num_accepted
 
     # Stops: the first position whose token ends the row, among those it emits.
-    stop = sampler.stop_check(tokens.reshape(-1), fsp, flat(num_output) + jnp.tile(position, rows),
-                              flat(total_len) + jnp.tile(position, rows)).reshape(rows, width)
+    offset = jnp.tile(position, rows)
+    stop = sampler.stop_check(tokens.reshape(-1), fsp, flat(num_output) + offset,
+                              flat(total_len) + offset).reshape(rows, width)
     stop = jnp.where(position <= num_accepted[:, None], stop, 0)
     stopped = jnp.any(stop > 0, axis=1)
     last = jnp.where(stopped, jnp.argmax(stop > 0, axis=1), num_accepted)
