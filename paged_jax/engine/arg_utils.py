@@ -55,7 +55,9 @@ class EngineArgs:
                                                        "memory, copied back on a hit")
     async_scheduling: bool = _arg(True, None, "plan the next decode call while the device runs this one")
     speculative_config: dict | None = _arg(None, str, 'speculative decoding, vLLM\'s JSON: {"method": "ngram", '
-                                                      '"num_speculative_tokens": 4, "prompt_lookup_max": 4}')
+                                                      '"num_speculative_tokens": 4, "prompt_lookup_max": 4} or '
+                                                      '{"method": "draft_model", "model": PATH, '
+                                                      '"num_speculative_tokens": 4}')
     log_stats: bool = _arg(True, None, "print the KV cache's size at start", cli=False)
 
     def __post_init__(self):
@@ -126,9 +128,10 @@ class EngineArgs:
             return mesh
         return sharding.make_mesh(tp) if tp != 1 else None
 
-    def create_engine_config(self, model, mesh=None) -> config_lib.EngineConfig:
+    def create_engine_config(self, model, mesh=None, draft_model=None) -> config_lib.EngineConfig:
         """The engine's sizes for `model` (its attention backend, KV dtype and pool), as vLLM's
-        `create_engine_config`; `mesh` as create_mesh returned it."""
+        `create_engine_config`; `mesh` as create_mesh returned it; `draft_model`: speculative
+        decoding's draft, whose K/V every block holds too (ValueError naming what does not match)."""
         c = model.config
         if self.dtype is not None and jnp.dtype(self.dtype) != jnp.dtype(c.dtype):
             raise ValueError(f"dtype={self.dtype!r} applies when loading a checkpoint; this model is "
@@ -136,6 +139,7 @@ class EngineArgs:
         backend = attention.resolve_backend(self.attention_backend, dtype=c.dtype, head_dim=c.head_dim,
                                             block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype)
         kv_dtype = attention.check_kv_cache_dtype(self.kv_cache_dtype, backend, c.dtype)
+        draft_bytes = 0 if draft_model is None else self._draft_bytes_per_block(c, draft_model.config, backend)
         config = config_lib.resolve(
             c, block_size=self.block_size, num_blocks=self.num_blocks,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -148,6 +152,26 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching, attention_backend=backend, kv_dtype=kv_dtype,
             kv_shards=sharding.tensor_parallel_size(mesh), sliding_window=getattr(c, "kv_window", None),
             kv_cache_dtype=self.kv_cache_dtype, preemption_mode=self.preemption_mode, swap_space=self.swap_space,
-            enable_host_prefix_cache=self.enable_host_prefix_cache)
+            enable_host_prefix_cache=self.enable_host_prefix_cache, draft_bytes_per_block=draft_bytes)
         spec = self.speculative_config
         return dataclasses.replace(config, num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+
+    def _draft_bytes_per_block(self, target, draft, backend: str) -> int:
+        """A draft model's K/V bytes per block, once it is checked against the target: the same
+        vocabulary, the same attention backend, and no longer a window than the target's (the pool
+        frees the blocks before the target's window)."""
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(f"speculative_config draft model's vocab_size {draft.vocab_size} differs from the "
+                             f"target's {target.vocab_size}: a draft must share the target's vocabulary")
+        window, draft_window = getattr(target, "kv_window", None), getattr(draft, "kv_window", None)
+        if window is not None and (draft_window is None or draft_window > window):
+            raise ValueError(f"speculative_config draft model's attention window {draft_window} reaches past the "
+                             f"target's sliding window {window}, whose blocks the pool frees")
+        draft_backend = attention.resolve_backend(self.attention_backend, dtype=draft.dtype, head_dim=draft.head_dim,
+                                                  block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype)
+        if draft_backend != backend:
+            raise ValueError(f"speculative_config draft model resolves attention_backend {draft_backend!r}, the "
+                             f"target {backend!r}: both run in the same calls")
+        kv_dtype = attention.check_kv_cache_dtype(self.kv_cache_dtype, backend, draft.dtype)
+        return attention.bytes_per_block(draft.num_layers, draft.num_kv_heads, self.block_size, draft.head_dim,
+                                         kv_dtype, layout=attention.cache_layout(backend))

@@ -85,7 +85,7 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
             max_num_batched_tokens, max_model_len, num_decode_steps, long_prefill_token_threshold,
             enable_prefix_caching, attention_backend, kv_dtype, kv_shards=1, sliding_window=None,
             kv_cache_dtype="auto", preemption_mode="recompute", swap_space=4,
-            enable_host_prefix_cache=False, memory_stats=None) -> EngineConfig:
+            enable_host_prefix_cache=False, memory_stats=None, draft_bytes_per_block=0) -> EngineConfig:
     """`kv_shards`: devices the KV heads are split over (tensor parallelism); the budget is per
     device, so each block costs a device 1 / kv_shards of its bytes. `sliding_window`: the window every
     layer shares, which bounds the blocks a sequence holds (and so what the pool can use), not its length. `activation_bytes(num_tokens,
@@ -93,7 +93,8 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
     device with memory stats). `kv_dtype`: the pages' dtype (int8/fp8 for `kv_cache_dtype` "int8" /
     "fp8_e4m3", whose per-token scales count in each block's bytes). `memory_stats`: the device's
     (`bytes_limit`, `bytes_in_use`) when it is not the local one (a compile-only GPU); None reads them
-    from the local device."""
+    from the local device. `draft_bytes_per_block`: a draft model's K/V in each block (speculative
+    decoding: its pages share the target's block ids), counted in the block's bytes."""
     # The values alone were checked by EngineArgs; what follows depends on the model and the mesh.
     if preemption_mode == "swap" and kv_shards > 1:
         raise ValueError(f"preemption_mode='swap' with tensor parallelism ({kv_shards} shards) is not built")
@@ -113,6 +114,7 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
     bytes_per_block = attention.bytes_per_block(model_config.num_layers, model_config.num_kv_heads,
                                                 block_size, model_config.head_dim, kv_dtype,
                                                 layout=attention.cache_layout(attention_backend))
+    bytes_per_block += draft_bytes_per_block
     step_tokens = max(max_num_batched_tokens, num_decode_steps or 8)
     per_seq = blocks_per_seq(max_model_len, block_size, sliding_window, step_tokens)
     useful = max_num_seqs * per_seq + 1  # more could never be used

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -40,9 +41,11 @@ class LLMEngine:
             raise ValueError(f"pass engine_args or keyword arguments, not both (got {sorted(kwargs)})")
         args = self.engine_args = engine_args or EngineArgs(**kwargs)
         mesh = args.create_mesh(mesh)
+        draft = self._draft_model(args)
         if mesh is not None:
             model = sharding.shard_model(model, mesh)
-        self.config = args.create_engine_config(model, mesh)
+            draft = draft and sharding.shard_model(draft, mesh)
+        self.config = args.create_engine_config(model, mesh, draft)
         self.mesh = mesh
         self.model_config = model.config
         self.tokenizer = tokenizer
@@ -53,7 +56,8 @@ class LLMEngine:
         eos = (tokenizer.eos_token_ids if tokenizer is not None else
                np.atleast_1d(model.config.eos_token_id if model.config.eos_token_id is not None else []).tolist())
         self.eos_token_ids = tuple(int(t) for t in eos)
-        self.model_runner = model_runner.ModelRunner(model, c, mesh=mesh, eos_token_ids=self.eos_token_ids)
+        self.model_runner = model_runner.ModelRunner(model, c, mesh=mesh, eos_token_ids=self.eos_token_ids,
+                                                     draft_model=draft)
         self.structured_outputs = StructuredOutputManager(tokenizer, model.config.vocab_size)
         self.model_runner.bitmask = self.structured_outputs.bitmask
         self.prefix_cache = PrefixCache(enabled=c.enable_prefix_caching)
@@ -75,6 +79,22 @@ class LLMEngine:
         self._finished_outside_step: set[str] = set()  # rejected or aborted: reported by the next step
         self.seed = args.seed
         self._reset_counters()
+
+    @staticmethod
+    def _draft_model(args: EngineArgs):
+        """Speculative decoding's draft model (loaded if given as a path, in `dtype` if one is
+        given), or None."""
+        spec = args.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        if isinstance(spec.model, (str, Path)):
+            from paged_jax.entrypoints.llm import load_model  # the entry point imports this module
+
+            return load_model(spec.model, dtype=args.dtype)[0]
+        if not hasattr(spec.model, "init_cache"):
+            raise ValueError(f"speculative_config \"model\" must be a checkpoint directory, a GGUF file or a "
+                             f"paged_jax model, got {type(spec.model).__name__}")
+        return spec.model
 
     @classmethod
     def from_engine_args(cls, model, tokenizer, engine_args: EngineArgs, mesh=None) -> LLMEngine:

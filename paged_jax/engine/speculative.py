@@ -4,7 +4,9 @@ proposer (vLLM's prompt lookup), and the controller that decides which rows spec
 A row's proposals ride in the scheduler's plan as extra tokens after its last sampled one, so the
 verification is a ragged prefill row of 1 + k tokens (worker/rejection_sampler.py scores them and
 keeps the accepted prefix); a rejected tail is rolled back by the scheduler's bookkeeping alone
-(core/scheduler.py: only verified tokens count as computed).
+(core/scheduler.py: only verified tokens count as computed). A draft model's proposals are made on
+the device in the verifying call itself (worker/runner.py: k draft steps, then the target's
+forward): the plan holds placeholders that reserve their slots.
 
 Speculation turns itself down where it does not pay (vLLM's does not): each sequence keeps a
 running acceptance rate; one whose proposals keep failing stops proposing and decodes in the K-step
@@ -31,6 +33,7 @@ RATE_WEIGHT = 0.5  # how much one verification moves a sequence's acceptance rat
 RATE_RECOVERY = 0.02  # per call it rests: the rate moves this share back toward 1 (a probe every ~4 calls)
 MIN_EXPECTED_PER_ROW = 0.5  # expected accepted drafts per running row for a call to verify
 COST_WEIGHT = 0.2  # how much one timed call moves the running cost of its kind
+DRAFT_PLACEHOLDER = 0  # a draft model's proposal slot in the plan, before the device proposes it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +42,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
+    # draft_model: a checkpoint directory or GGUF file (vLLM's "model"), or a model object already
+    # built (the engine's `model` argument takes either too); the engine loads a path.
+    model: object = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
@@ -59,12 +65,20 @@ class SpeculativeConfig:
         method = value.get("method")
         if method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {METHODS}, got {method!r}")
-        if method == "draft_model":
-            raise ValueError("speculative_config method 'draft_model' is not built yet in paged-jax; "
-                             "use method 'ngram'")
         k = value.get("num_speculative_tokens")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"speculative_config num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if method == "draft_model":
+            lookup = sorted({"prompt_lookup_min", "prompt_lookup_max"} & set(value))
+            if lookup:
+                raise ValueError(f"speculative_config {lookup} apply to method 'ngram', not 'draft_model'")
+            model = value.get("model")
+            if model is None or isinstance(model, str) and not model:
+                raise ValueError("speculative_config method 'draft_model' needs \"model\": a checkpoint "
+                                 "directory or GGUF file of the draft")
+            return cls(method, k, model=model)
+        if "model" in value:
+            raise ValueError("speculative_config \"model\" applies to method 'draft_model', not 'ngram'")
         # vLLM's defaults: both 5 when neither is given, else the one given for both.
         low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         low, high = (high if low is None else low), (low if high is None else high)
@@ -141,6 +155,9 @@ class Speculator:
             room = min(c.num_speculative_tokens, self.max_model_len - seq.num_tokens - 1,
                        (params.max_tokens if params.max_tokens is not None else 1 << 30) - seq.num_output - 1)
             if seq.spec_rate * c.num_speculative_tokens < MIN_EXPECTED_PER_ROW or room < 1:
+                continue
+            if c.method == "draft_model":  # the draft model fills them in on the device, in the call
+                found[seq] = [DRAFT_PLACEHOLDER] * room
                 continue
             drafts = ngram_proposal(np.asarray(seq.token_ids, np.int32), c.prompt_lookup_min, c.prompt_lookup_max, room)
             if drafts.size:

@@ -195,7 +195,7 @@ def prefill_program(engine, num_tokens: int, *, forks=False, swap_in=False) -> P
     swapped = None
     if swap_in:
         swapped = jax.eval_shape(swap.gather_blocks, state.cache, jax.ShapeDtypeStruct(batch.swap_blocks.shape, jnp.int32))
-        swapped = _placed(swapped, sharding.cache_specs(swapped) if engine.mesh is not None else P(), engine.placement)
+        swapped = (_placed(swapped, sharding.cache_specs(swapped) if engine.mesh is not None else P(), engine.placement),)
     graphdef, params = _graphdef_params(engine)
     flags = runner.Flags(backend=c.attention_backend, mesh=engine.mesh, random=True, forks=forks)
     label = "+forks" if forks else "+swap-in" if swap_in else ""

@@ -30,7 +30,9 @@ class Call:
 
 
 class ModelRunner:
-    def __init__(self, model, config, *, mesh=None, eos_token_ids=()):
+    def __init__(self, model, config, *, mesh=None, eos_token_ids=(), draft_model=None):
+        """`draft_model`: speculative decoding's draft (sharded like `model` under a mesh), whose
+        pages share the target's block ids: each block holds both models' K/V."""
         from flax import nnx
 
         c = self.config = config
@@ -38,24 +40,33 @@ class ModelRunner:
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = model.config.vocab_size
         self.graphdef, self.params = nnx.split(model)
-        kw = dict(layout=cache_layout(c.attention_backend), kv_cache_dtype=c.kv_cache_dtype)
-        if mesh is None:
-            cache = model.init_cache(c.num_blocks, c.block_size, **kw)
-        else:  # made in place on the mesh: one device could not hold the whole cache
-            shape = jax.eval_shape(lambda: model.init_cache(c.num_blocks, c.block_size, **kw))
-            cache = jax.jit(lambda: model.init_cache(c.num_blocks, c.block_size, **kw),
-                            out_shardings=sharding.named(sharding.cache_specs(shape), mesh))()
+        self.draft_graphdef, self.draft_params = nnx.split(draft_model) if draft_model is not None else (None, None)
         empty = np.zeros((c.max_num_seqs, 0))
-        self.state = runner.DeviceState(cache=cache, output_counts=self._replicate(empty.astype(np.int32)),
-                                        prompt_mask=self._replicate(empty.astype(bool)))
-        # Swapping and the host prefix cache: swap_space GiB of host blocks, each as large as a device block.
-        self.host_block_bytes = swap.HostKVCache.block_bytes(cache)
+        self.state = runner.DeviceState(cache=self._init_cache(model),
+                                        output_counts=self._replicate(empty.astype(np.int32)),
+                                        prompt_mask=self._replicate(empty.astype(bool)),
+                                        draft_cache=None if draft_model is None else self._init_cache(draft_model))
+        # Swapping and the host prefix cache: swap_space GiB of host blocks, each as large as a device
+        # block (both models' K/V with a draft).
+        caches = self.state.caches
+        self.host_block_bytes = sum(swap.HostKVCache.block_bytes(cache) for cache in caches)
         self.num_host_blocks = int(c.swap_space * 2**30) // self.host_block_bytes if c.uses_host_memory else 0
-        self.host_cache = swap.HostKVCache(cache, self.num_host_blocks) if self.num_host_blocks else None
+        self.host_caches = [swap.HostKVCache(cache, self.num_host_blocks) for cache in caches] \
+            if self.num_host_blocks else []
         # (seqs, num_rows) -> i32[num_rows, words] of the rows' allowed next tokens, or None: the
         # engine's structured-output manager (engine/structured_outputs.py)
         self.bitmask = None
         self.reset_counters()
+
+    def _init_cache(self, model):
+        c = self.config
+        kw = dict(layout=cache_layout(c.attention_backend), kv_cache_dtype=c.kv_cache_dtype)
+        if self.mesh is None:
+            return model.init_cache(c.num_blocks, c.block_size, **kw)
+        # Made in place on the mesh: one device could not hold the whole cache.
+        shape = jax.eval_shape(lambda: model.init_cache(c.num_blocks, c.block_size, **kw))
+        return jax.jit(lambda: model.init_cache(c.num_blocks, c.block_size, **kw),
+                       out_shardings=sharding.named(sharding.cache_specs(shape), self.mesh))()
 
     def reset_counters(self) -> None:
         # From the jitted call to its fetched output (the device's share of a step, once compiled),
@@ -92,8 +103,9 @@ class ModelRunner:
             else:
                 sp, sent = prev.sp, (batch.slots, batch.block_tables, batch.num_mapped)
                 batch = runner.continue_decode(prev.batch, prev.out, *sent)
-            self.state, out = runner.decode_steps(self.graphdef, self.params, self.state, batch, sp,
-                                                  flags=self._flags(seqs), num_steps=c.num_decode_steps)
+            self.state, out = runner.decode_steps(self.graphdef, self.params, self.state, batch, sp, self.draft_params,
+                                                  flags=self._flags(seqs), num_steps=c.num_decode_steps,
+                                                  draft_graphdef=self.draft_graphdef)
             return Call(plan, out, batch, sp, start, copying, self._count_sent("decode_", sent, sp if prev is None else ()))
         seqs = batching.prefill_rows(plan)
         self._reset_penalty_rows([s for s, _ in plan.scheduled if s.slot in plan.admitted]
@@ -103,7 +115,8 @@ class ModelRunner:
                                        num_speculative_tokens=c.num_speculative_tokens)
         sp = self._row_params(seqs, batch.slots.shape[0])
         self.state, out = runner.prefill_step(self.graphdef, self.params, self.state, batch, sp,
-                                              self._load(plan, batch), flags=self._prefill_flags(seqs, plan, batch))
+                                              self._load(plan, batch), self.draft_params,
+                                              flags=self._prefill_flags(seqs, plan, batch), draft_graphdef=self.draft_graphdef)
         return Call(plan, out, batch, sp, start, copying, self._count_sent("", (batch,), sp))
 
     def fetch(self, call: Call) -> ModelOutput:
@@ -139,7 +152,8 @@ class ModelRunner:
         if not copies:
             return None
         unique = list(dict.fromkeys(d for d, _ in copies))
-        return self.host_cache.start_copy_out(self.state.cache, batching.padded(unique)), unique
+        ids = batching.padded(unique)
+        return [host.start_copy_out(cache, ids) for host, cache in zip(self.host_caches, self.state.caches)], unique
 
     def _finish_copy_out(self, plan: Plan, copying) -> None:
         if copying is None:
@@ -147,7 +161,8 @@ class ModelRunner:
         blocks, unique = copying
         position = {d: i for i, d in enumerate(unique)}
         copies = plan.swap_out + plan.tier_out
-        self.host_cache.finish_copy_out(blocks, [h for _, h in copies], [position[d] for d, _ in copies])
+        for host, part in zip(self.host_caches, blocks):
+            host.finish_copy_out(part, [h for _, h in copies], [position[d] for d, _ in copies])
         k, size = self.counters, self.host_block_bytes
         k["num_blocks_swapped_out"] += len(plan.swap_out)
         k["swap_bytes_out"] += len(plan.swap_out) * size
@@ -157,11 +172,12 @@ class ModelRunner:
     def _load(self, plan: Plan, batch: batching.PrefillBatch):
         """The host blocks the plan loads (rows resuming after a swap, host prefix cache hits), in
         the order of batch.swap_blocks: one host read for all of them, scattered by the prefill step
-        -> the blocks (numpy), or None when the plan loads none."""
+        -> the blocks (numpy), one entry per cache of the state, or None when the plan loads none."""
         host_ids = [h for _, ids, _ in plan.host_loads for h in ids]
         if not host_ids:
             return None
-        blocks = self.host_cache.read(np.pad(host_ids, (0, batch.swap_blocks.shape[0] - len(host_ids))))
+        ids = np.pad(host_ids, (0, batch.swap_blocks.shape[0] - len(host_ids)))
+        blocks = tuple(host.read(ids) for host in self.host_caches)
         k, size = self.counters, self.host_block_bytes
         swapped, tier = (sum(len(ids) for _, ids, _ in loads) for loads in (plan.swap_in, plan.tier_in))
         k["num_blocks_swapped_in"] += swapped

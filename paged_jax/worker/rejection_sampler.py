@@ -24,16 +24,18 @@ NEG_INF = float("-inf")
 _ACCEPT_STREAM = 0x5BEC  # folded into a token's key for its accept/reject draw
 
 
-def verify(logits, drafts, sp: sampler.SlotParams, num_output, total_len, penalties=None, *, filters: bool,
-           num_logprobs: int, random: bool):
+def verify(logits, drafts, sp: sampler.SlotParams, num_output, total_len, penalties=None, draft_probs=None, *,
+           filters: bool, num_logprobs: int, random: bool):
     """-> (tokens i32[B, J] (-1 after a row's last), logprob f32[B, J], rank i32[B, J], top_ids i32[B, J, N],
     top_logprobs f32[B, J, N], finish i32[B], num_accepted i32[B]).
 
     logits: f32[B, J, V], the model's at each row's J = d_max + 1 scored positions; drafts:
     i32[B, J - 1], each row's proposals then -1; num_output, total_len: i32[B], counting the token
     sampled at position 0 (as `sampler.stop_check` takes them); penalties: (output_counts i32[B, V],
-    prompt_mask bool[B, V]) or None. A row stops at its first stop token or length limit, accepted
-    draft or not, so its output ends where plain decoding's would.
+    prompt_mask bool[B, V]) or None; draft_probs: f32[B, J - 1, V], the distribution q each draft was
+    drawn from (a draft model's), or None for one-hot q (n-gram proposals, a greedy draft). A row
+    stops at its first stop token or length limit, accepted draft or not, so its output ends where
+    plain decoding's would.
     """
     rows, width, vocab = logits.shape
     position = jnp.arange(width)
@@ -59,10 +61,18 @@ def verify(logits, drafts, sp: sampler.SlotParams, num_output, total_len, penalt
         keys = jax.vmap(jax.random.fold_in)(fsp.key, before)
         dist = sampler.scaled(target, fsp, filters=filters)  # f32[B * J, V]
         safe = jnp.maximum(padded, 0).reshape(-1)
-        p_draft = jnp.exp(jnp.take_along_axis(jax.nn.log_softmax(dist, axis=-1), safe[:, None], axis=-1)[:, 0])
+        p = jax.nn.softmax(dist, axis=-1)
+        p_draft = jnp.take_along_axis(p, safe[:, None], axis=-1)[:, 0]
         u = jax.vmap(jax.random.uniform)(jax.vmap(jax.random.fold_in, (0, None))(keys, _ACCEPT_STREAM))
-        # q is one-hot at the draft: accept with p(d); the residual max(0, p - q) is p without d.
-        residual = jnp.where(has_draft.reshape(-1, 1) & (jnp.arange(vocab) == safe[:, None]), NEG_INF, dist)
+        if draft_probs is None:  # q one-hot at the draft: accept with p(d); max(0, p - q) is p without d
+            residual = jnp.where(has_draft.reshape(-1, 1) & (jnp.arange(vocab) == safe[:, None]), NEG_INF, dist)
+        else:  # accept with min(1, p(d) / q(d)); resample from max(0, p - q) (p itself where q is 0)
+            q = jnp.concatenate([draft_probs, jnp.zeros((rows, 1, vocab), draft_probs.dtype)], axis=1)
+            q = jnp.where(has_draft[:, :, None], q, 0.0).reshape(rows * width, vocab)
+            q_draft = jnp.take_along_axis(q, safe[:, None], axis=-1)[:, 0]
+            p_draft = jnp.where(has_draft.reshape(-1), p_draft / jnp.maximum(q_draft, 1e-30), p_draft)
+            left = jnp.maximum(p - q, 0.0)
+            residual = jnp.where(jnp.any(left > 0, axis=-1, keepdims=True), jnp.log(left), dist)
         drawn = jax.vmap(jax.random.categorical)(keys, residual).astype(jnp.int32).reshape(rows, width)
         sampled = (sp.temperature >= SAMPLING_EPS)[:, None]
         accept = jnp.where(sampled, (u < p_draft).reshape(rows, width), accept)

@@ -10,6 +10,11 @@ in flight:
   host sees results once per K tokens. It leaves early when every row has finished or, if asked, as
   soon as one finishes (to admit waiters);
 - `copy_blocks_step`: copy-on-write copies the host decided between steps (beam search).
+
+With a draft model (speculative decoding), the state holds its pages too, under the same block ids:
+every forward of the target runs the draft over the same tokens, so wherever the target's cache
+holds a token (prefix hits, swapped blocks, forks' copies) the draft's holds it too, and a
+verifying `prefill_step` first runs k draft decode steps to propose the drafts it then scores.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from jax.sharding import Mesh
 
 from paged_jax.attention import AttentionMetadata, KVCache, copy_blocks
 from paged_jax.core.model_output import ModelOutput, PromptLogprobs
+from paged_jax.sampling_params import SAMPLING_EPS
 from paged_jax.worker import rejection_sampler, sampler, swap
 from paged_jax.worker.batching import DecodeBatch, PrefillBatch
 
@@ -33,6 +39,20 @@ class DeviceState:
     cache: KVCache
     output_counts: jax.Array  # i32[max_seqs, vocab] (once a request uses penalties) or i32[max_seqs, 0]
     prompt_mask: jax.Array  # bool[max_seqs, vocab] or bool[max_seqs, 0]
+    # Speculative decoding with a draft model: its pages, under the target's block ids (the same
+    # tables and slots), written by every forward the target runs; None without one.
+    draft_cache: KVCache | None = None
+
+    @property
+    def caches(self) -> tuple[KVCache, ...]:
+        """The target's cache, then the draft's if any: what a swap or a block copy moves."""
+        return (self.cache,) if self.draft_cache is None else (self.cache, self.draft_cache)
+
+    def with_caches(self, caches) -> DeviceState:
+        return dataclasses.replace(self, cache=caches[0], draft_cache=caches[1] if len(caches) > 1 else None)
+
+
+_DRAFT_STREAM = 0xD4AF  # folded into a row's key for its draft model's draws
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,22 +86,72 @@ def _put_counts(state: DeviceState, slots, counts) -> DeviceState:
     return dataclasses.replace(state, output_counts=state.output_counts.at[target].set(counts, mode="drop"))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "flags"), donate_argnames=("state",))
+def _draft_proposals(draft, cache: KVCache, batch: PrefillBatch, sp: sampler.SlotParams, flags: Flags):
+    """k decode steps of the draft model from each verifying row's last token, over the slots the
+    host mapped for the row's proposals -> (drafts i32[B, k] (-1 where the row has no slot), q f32[B,
+    k, V]: the distribution each was drawn from, or None when every row is greedy (q one-hot), cache).
+    Draft j of a row is drawn as the target's token there would be: temperature, top-k / top-p /
+    min-p, min_tokens, with the row's key (its own stream) and the index of that output token; the
+    penalties are left out of q (any q keeps verification exact; a closer one is accepted more)."""
+    num_rows, k = batch.drafts.shape
+    rows = jnp.arange(num_rows)
+    first = jnp.maximum(batch.spec_rows[:, 0], 0)  # each row's last sampled token in the batch
+    start, last = batch.positions[first], batch.tokens[first]
+    keys = jax.vmap(jax.random.fold_in, (0, None))(sp.key, _DRAFT_STREAM)
+
+    def step(carry, j):
+        cache, last = carry
+        active = batch.drafts[:, j] >= 0
+        positions = start + j
+        md = AttentionMetadata(slot_mapping=jnp.where(active, batch.slot_mapping[batch.spec_rows[:, j]], -1),
+                               block_tables=batch.block_tables, seq_lens=jnp.where(active, positions + 1, 0),
+                               query_start_loc=jnp.arange(num_rows + 1, dtype=jnp.int32), decode_only=True)
+        logits, cache = draft(last, positions, cache, md, rows, backend=flags.backend, mesh=flags.mesh)
+        index = batch.num_output - 1 + j  # the output index of the token draft j proposes
+        _, _, target = sampler.prepare(logits, sp, index)
+        tokens = jnp.argmax(target, axis=-1).astype(jnp.int32)
+        q = None
+        if flags.random:
+            dist = sampler.scaled(target, sp, filters=flags.filters)
+            drawn = jax.vmap(jax.random.categorical)(jax.vmap(jax.random.fold_in)(keys, index), dist)
+            tokens = jnp.where(sp.temperature < SAMPLING_EPS, tokens, drawn.astype(jnp.int32))
+            q = jax.nn.softmax(dist, axis=-1)
+        tokens = jnp.where(active, tokens, -1)
+        return (cache, jnp.where(active, tokens, last)), (tokens, q)
+
+    (cache, _), (drafts, q) = jax.lax.scan(step, (cache, last), jnp.arange(k))
+    return drafts.T, None if q is None else jnp.swapaxes(q, 0, 1), cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "flags", "draft_graphdef"), donate_argnames=("state",))
 def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: sampler.SlotParams,
-                 swapped=None, *, flags: Flags):
+                 swapped=None, draft_params=None, *, flags: Flags, draft_graphdef=None):
     """One ragged forward over the batch's rows -> (state, ModelOutput with k = 1, or k = J when
     rows carry speculative proposals: each row's verified tokens, worker/rejection_sampler.py).
-    `swapped`: the blocks of rows resumed after a swap or hitting the host prefix tier
-    (`swap.gather_blocks`' layout), written to `batch.swap_blocks` before the forward; None when no
-    row loads any."""
+    `swapped`: the blocks of rows resumed after a swap or hitting the host prefix tier, one entry
+    per cache of `state.caches` (`swap.gather_blocks`' layout), written to `batch.swap_blocks`
+    before the forward; None when no row loads any. `draft_graphdef`, `draft_params`: a draft
+    model, which proposes the verifying rows' drafts (the batch holds placeholders there) and runs
+    over the batch too."""
     num_rows = batch.slots.shape[0]
-    cache = state.cache
+    caches = state.caches
     if swapped is not None:
-        cache = swap.scatter_blocks(cache, batch.swap_blocks, swapped)
+        caches = tuple(swap.scatter_blocks(c, batch.swap_blocks, s) for c, s in zip(caches, swapped))
+    cache, draft_cache = caches[0], caches[-1]
     md = AttentionMetadata(slot_mapping=batch.slot_mapping, block_tables=batch.block_tables,
                            seq_lens=batch.attn_seq_lens, query_start_loc=batch.query_start_loc)
     model = nnx.merge(graphdef, params)
     verifying = batch.drafts.shape[1] > 0  # static: some row's proposals are scored (speculative decoding)
+    draft_probs = None
+    if draft_graphdef is not None:
+        draft_model = nnx.merge(draft_graphdef, draft_params)
+        if verifying:
+            drafts, draft_probs, draft_cache = _draft_proposals(draft_model, draft_cache, batch, sp, flags)
+            at = jnp.where(batch.spec_rows[:, 1:] >= 0, batch.spec_rows[:, 1:], batch.tokens.shape[0])
+            batch = dataclasses.replace(batch, tokens=batch.tokens.at[at].set(drafts, mode="drop"), drafts=drafts)
+        # The draft's K/V of every token the target computes (its last proposal's included).
+        _, draft_cache = draft_model(batch.tokens, batch.positions, draft_cache, md, jnp.zeros(1, jnp.int32),
+                                     backend=flags.backend, mesh=flags.mesh)
     wanted = jnp.maximum(batch.spec_rows if verifying else batch.logits_rows, 0).reshape(-1)
     num_wanted = wanted.shape[0]
     if flags.num_prompt_logprobs is not None:  # prompt tokens' logits too, only in steps that ask
@@ -93,8 +163,9 @@ def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: 
         logits, prompt_logits = logits[:num_wanted], logits[num_wanted:]
         prompt = PromptLogprobs(batch.prompt_lp_rows, batch.prompt_lp_positions, *sampler.token_logprobs(
             prompt_logits, batch.prompt_lp_targets, flags.num_prompt_logprobs))
+    caches = (cache,) if draft_graphdef is None else (cache, draft_cache)
     if flags.forks:  # copy-on-write of the forks' partial tail blocks, once the parents' K/V is in
-        cache = copy_blocks(cache, batch.copy_src, batch.copy_dst, backend=flags.backend)
+        caches = tuple(copy_blocks(c, batch.copy_src, batch.copy_dst, backend=flags.backend) for c in caches)
 
     live = batch.logits_rows >= 0
     penalties = _penalty_rows(state, batch.slots, flags)
@@ -102,14 +173,15 @@ def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: 
     if verifying:
         tokens, logprob, rank, top_ids, top_lps, finish, accepted = rejection_sampler.verify(
             logits.reshape(num_rows, batch.spec_rows.shape[1], -1), batch.drafts, sp, batch.num_output,
-            batch.total_len, penalties, filters=flags.filters, num_logprobs=flags.num_logprobs, random=flags.random)
+            batch.total_len, penalties, draft_probs, filters=flags.filters, num_logprobs=flags.num_logprobs,
+            random=flags.random)
     else:
         tokens, logprob, rank, top_ids, top_lps = (x[:, None] for x in sampler.sample(
             logits, sp, batch.num_output - 1, penalties, filters=flags.filters, num_logprobs=flags.num_logprobs,
             random=flags.random))
         finish = sampler.stop_check(tokens[:, 0], sp, batch.num_output, batch.total_len)
     tokens = jnp.where(live[:, None], tokens, -1)
-    new = dataclasses.replace(state, cache=cache)
+    new = state.with_caches(caches)
     if penalties is not None:
         new = _put_counts(new, batch.slots, _count_tokens(penalties[0], tokens))
     out = ModelOutput(tokens=tokens, logprob=logprob, rank=rank, top_ids=top_ids, top_logprobs=top_lps,
@@ -118,13 +190,16 @@ def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: 
     return new, out
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "flags", "num_steps"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "flags", "num_steps", "draft_graphdef"),
+                   donate_argnames=("state",))
 def decode_steps(graphdef, params, state: DeviceState, batch: DecodeBatch, sp: sampler.SlotParams,
-                 *, flags: Flags, num_steps: int):
+                 draft_params=None, *, flags: Flags, num_steps: int, draft_graphdef=None):
     """Up to `num_steps` decode steps of the batch's rows over the blocks their tables hold (the
     host reserved them for up to num_steps more tokens; a row pauses where its reservation ends)
-    -> (state, ModelOutput with k = num_steps)."""
+    -> (state, ModelOutput with k = num_steps). `draft_graphdef`, `draft_params`: a draft model,
+    which writes its K/V of each token beside the target's."""
     model = nnx.merge(graphdef, params)
+    draft_model = None if draft_graphdef is None else nnx.merge(draft_graphdef, draft_params)
     num_rows, width = batch.block_tables.shape
     block_size = state.cache.block_size
     n = flags.num_logprobs
@@ -138,7 +213,7 @@ def decode_steps(graphdef, params, state: DeviceState, batch: DecodeBatch, sp: s
     counts = penalties[0] if penalties is not None else None
     active = batch.live
     rows = jnp.arange(num_rows)
-    carry = (state.cache, counts, out, batch.last_tokens, active, batch.num_output, batch.total_len, jnp.array(0))
+    carry = (state.caches, counts, out, batch.last_tokens, active, batch.num_output, batch.total_len, jnp.array(0))
 
     def cond(carry):
         *_, out, _, active, _, _, step = carry
@@ -147,14 +222,20 @@ def decode_steps(graphdef, params, state: DeviceState, batch: DecodeBatch, sp: s
         return (step < num_steps) & jnp.any(runnable) & ~(batch.stop_on_finish & any_finished)
 
     def body(carry):
-        cache, counts, out, last, active, num_output, total_len, step = carry
+        caches, counts, out, last, active, num_output, total_len, step = carry
         positions = batch.positions + step
         active = active & (positions < batch.num_mapped)  # a row pauses where its reserved blocks end
         block = batch.block_tables[rows, jnp.clip(positions // block_size, 0, width - 1)]
         md = AttentionMetadata(slot_mapping=jnp.where(active, block * block_size + positions % block_size, -1),
                                block_tables=batch.block_tables, seq_lens=jnp.where(active, positions + 1, 0),
                                query_start_loc=jnp.arange(num_rows + 1, dtype=jnp.int32), decode_only=True)
-        logits, cache = model(last, positions, cache, md, rows, backend=flags.backend, mesh=flags.mesh)
+        logits, cache = model(last, positions, caches[0], md, rows, backend=flags.backend, mesh=flags.mesh)
+        if draft_model is not None:
+            _, draft_cache = draft_model(last, positions, caches[1], md, rows[:1], backend=flags.backend,
+                                         mesh=flags.mesh)
+            caches = (cache, draft_cache)
+        else:
+            caches = (cache,)
         pens = None if counts is None else (counts, penalties[1])
         tokens, logprob, rank, top_ids, top_lps = sampler.sample(
             logits, sp, num_output, pens, filters=flags.filters, num_logprobs=n, random=flags.random)
@@ -167,11 +248,11 @@ def decode_steps(graphdef, params, state: DeviceState, batch: DecodeBatch, sp: s
                  finish=jnp.where(finish > 0, finish, out["finish"]))
         if counts is not None:
             counts = _count_tokens(counts, jnp.where(active, tokens, -1)[:, None])
-        return (cache, counts, o, jnp.where(active, tokens, last), active & (finish == 0),
+        return (caches, counts, o, jnp.where(active, tokens, last), active & (finish == 0),
                 num_output + active, total_len + active, step + 1)
 
-    cache, counts, out, *_, steps = jax.lax.while_loop(cond, body, carry)
-    new = dataclasses.replace(state, cache=cache)
+    caches, counts, out, *_, steps = jax.lax.while_loop(cond, body, carry)
+    new = state.with_caches(caches)
     if counts is not None:
         new = _put_counts(new, batch.slots, counts)
     return new, ModelOutput(**out, steps=steps)
@@ -195,7 +276,7 @@ def continue_decode(prev: DecodeBatch, out: ModelOutput, slots, block_tables, nu
 @functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("state",))
 def copy_blocks_step(state: DeviceState, src, dst, *, backend: str) -> DeviceState:
     """Copy-on-write between steps (beam search's forks): block src[i] -> dst[i] (i32[F], -1 pad)."""
-    return dataclasses.replace(state, cache=copy_blocks(state.cache, src, dst, backend=backend))
+    return state.with_caches(tuple(copy_blocks(c, src, dst, backend=backend) for c in state.caches))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

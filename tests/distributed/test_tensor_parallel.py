@@ -100,6 +100,21 @@ def test_speculative_decoding_on_two_shards_gives_one_devices_tokens(untimed_spe
     assert split.stats()["spec_decode_num_drafts"] > 0
 
 
+def test_a_draft_model_on_two_shards_gives_one_devices_tokens(untimed_speculation):
+    """A draft model (a one-layer model of the same vocabulary) sharded like the target, its pages
+    beside the target's on each shard: the plain single-device engine's greedy tokens."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    draft = {"method": "draft_model", "model": random_model(tiny_config(num_layers=1), seed=1),
+             "num_speculative_tokens": 3}
+    single = LLM(random_model(tiny_config()), block_size=8, num_blocks=32, max_num_seqs=4, log_stats=False)
+    split = LLM(random_model(tiny_config()), block_size=8, num_blocks=32, max_num_seqs=4, log_stats=False,
+                tensor_parallel_size=2, num_decode_steps=4, speculative_config=draft)
+    assert spec_of(split.engine.state.draft_cache.k_pages) == P("model")
+    assert ([o.outputs[0].token_ids for o in split.generate(PROMPTS, greedy)]
+            == [o.outputs[0].token_ids for o in single.generate(PROMPTS, greedy)])
+    assert split.stats()["spec_decode_num_drafts"] > 0
+
+
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 def test_qwen_biases_and_qk_norms_shard(model_type):
     """tp=4 over 2 KV heads: Qwen2's k/v biases are replicated with their heads, Qwen3's norms whole."""

@@ -1,7 +1,8 @@
-"""Speculative decoding (n-gram proposals): the proposer's matches, the configuration's checks, the
-rejection sampler's exactness (chi-square against the target's distribution), the controller that
-turns speculation down, and the engine's greedy outputs equal to the plain engine's through
-preemption, prefix hits, stop strings and stop tokens inside accepted runs."""
+"""Speculative decoding (n-gram proposals and a draft model): the proposer's matches, the
+configuration's checks, the rejection sampler's exactness (chi-square against the target's
+distribution, one-hot q and a draft's q), the controller that turns speculation down, the engine's
+greedy outputs equal to the plain engine's through preemption, prefix hits, stop strings and stop
+tokens inside accepted runs, and a draft model's pages kept in step with the target's."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,7 +47,11 @@ def test_ngram_proposal_takes_the_longest_match(tokens, n, k, expected):
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min=4 exceeds prompt_lookup_max=2"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min must be an integer >= 1"),
-    ({"method": "draft_model", "model": "x.gguf", "num_speculative_tokens": 2}, "'draft_model' is not built"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "'draft_model' needs \"model\""),
+    ({"method": "draft_model", "model": "d", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
+     "['prompt_lookup_max'] apply to method 'ngram'"),
+    ({"method": "ngram", "model": "d", "num_speculative_tokens": 2}, '"model" applies to method \'draft_model\''),
+    ({"method": "draft_model", "model": 7, "num_speculative_tokens": 2}, '"model" must be a checkpoint directory'),
     ("{method: ngram}", "speculative_config is not JSON"),
 ])
 def test_bad_speculative_configs_are_named(model, config, message):
@@ -65,7 +70,7 @@ def test_speculative_config_from_the_command_line():
                                           "prompt_lookup_max": 3}).speculative_config.prompt_lookup_min == 3
 
 
-def _verify(logits, drafts, temperature, top_k=0, seed=0):
+def _verify(logits, drafts, temperature, top_k=0, seed=0, draft_probs=None):
     """Rows of one logits table [J, V], each with its own key; -> (tokens [B, J], num_accepted [B])."""
     rows = drafts.shape[0]
     params = SamplingParams(temperature=temperature, top_k=top_k)
@@ -77,7 +82,7 @@ def _verify(logits, drafts, temperature, top_k=0, seed=0):
                      "max_tokens": np.full(rows, 1 << 20, np.int32), "max_len": np.full(rows, 1 << 20, np.int32)})
     out = jax.jit(rejection_sampler.verify, static_argnames=("filters", "num_logprobs", "random"))(
         jnp.broadcast_to(logits, (rows, *logits.shape)), jnp.asarray(drafts), sp, jnp.ones(rows, jnp.int32),
-        jnp.full(rows, 8, jnp.int32), filters=top_k > 0, num_logprobs=0, random=temperature > 0)
+        jnp.full(rows, 8, jnp.int32), None, draft_probs, filters=top_k > 0, num_logprobs=0, random=temperature > 0)
     return np.asarray(out[0]), np.asarray(out[6])
 
 
@@ -115,6 +120,25 @@ def test_rejection_sampling_keeps_the_target_distribution(temperature, top_k):
         # A row emits its accepted drafts and one more token, then -1.
         assert np.all((tokens >= 0).sum(axis=1) == accepted + 1)
         assert np.all(tokens[np.arange(rows), accepted] != np.array(drafts + [-1])[accepted])
+
+
+def test_rejection_sampling_with_a_draft_distribution_keeps_the_target_distribution():
+    """A draft model's proposals: each row's two drafts drawn from q (its own distribution, far from
+    the target's p), accepted with min(1, p/q) and resampled from norm(max(0, p - q)). The first
+    emitted token, and the second where the first draft was accepted, are distributed as p
+    (chi-square, p > 0.001), and the first draft is accepted with probability sum min(p, q) = 0.31
+    (treating q as one-hot, exact too, would accept sum q p = 0.08 of them)."""
+    rows, rng = 40_000, np.random.default_rng(1)
+    q = np.array([[0.05, 0.05, 0.1, 0.1, 0.6, 0.1], [0.5, 0.1, 0.1, 0.1, 0.1, 0.1]])
+    drafts = np.stack([rng.choice(6, rows, p=q[j]) for j in range(2)], axis=1).astype(np.int32)
+    probs = jnp.broadcast_to(jnp.asarray(q, jnp.float32), (rows, 2, 6))
+    tokens, accepted = _verify(jnp.asarray(LOGITS), drafts, 1.0, draft_probs=probs)
+    for position, reached in ((0, np.ones(rows, bool)), (1, accepted >= 1)):
+        seen = tokens[reached, position]
+        p = _target(LOGITS[position], 1.0)
+        assert stats.chisquare(np.bincount(seen, minlength=6), p * seen.size).pvalue > 1e-3
+    assert abs(np.mean(accepted >= 1) - np.minimum(_target(LOGITS[0], 1.0), q[0]).sum()) < 0.01
+    assert np.all((tokens >= 0).sum(axis=1) == accepted + 1)
 
 
 def test_greedy_verification_accepts_the_argmax_prefix():
@@ -269,3 +293,87 @@ def test_metrics_count_drafts_and_accepted_tokens_per_position(model, untimed_sp
         assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{i}"}} {float(n)}' in text
     assert s["spec_decode_num_accepted_tokens"] == sum(s["spec_decode_num_accepted_tokens_per_pos"]) > 0
     assert "spec_decode" not in generate_latest(Metrics("m").registry).decode()
+
+
+# -- draft model ------------------------------------------------------------------------------
+
+
+def _draft(model, k=3):
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
+
+
+def _noisy(model, scale, seed):
+    """The model's weights plus noise: a draft that agrees with it often, not always."""
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    leaves, tree = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noisy = [x + scale * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    return nnx.merge(graphdef, jax.tree.unflatten(tree, noisy))
+
+
+def test_draft_model_greedy_outputs_equal_the_plain_engines(model, untimed_speculation):
+    """Greedy requests sharing prefixes on a pool small enough to preempt, a draft model proposing
+    in every call: with a noisy copy of the target as draft, the plain engine's tokens, some drafts
+    rejected; with the target itself as draft, every draft accepted, through recompute and swap
+    preemption, prefix hits and the host prefix tier's, so the draft's pages (under the target's
+    block ids) were in step with the target's wherever the target's were; each pool drains."""
+    prompt = [5, 17, 99, 3, 42, 8, 5, 17, 99, 3]
+    rng = np.random.default_rng(7)
+    prompts = [[*prompt, *rng.integers(1, 128, int(n)).tolist()] for n in rng.integers(0, 12, 8)]
+    params = [SamplingParams(temperature=0.0, max_tokens=int(m), ignore_eos=True) for m in rng.integers(12, 40, 8)]
+    runs = {"plain": (None, "recompute"), "noisy": (_draft(_noisy(model, 0.1, 1)), "recompute"),
+            "self": (_draft(model), "swap")}
+    outputs = {}
+    for name, (config, mode) in runs.items():
+        llm = LLM(model, block_size=4, num_blocks=44, max_num_seqs=6, num_decode_steps=4, log_stats=False,
+                  speculative_config=config, preemption_mode=mode, swap_space=0.001,
+                  enable_host_prefix_cache=name == "self")
+        outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        outputs[name] += [o.outputs[0].token_ids for o in llm.generate(prompts[:3], params[:3])]  # evicted prefixes
+        s = llm.stats()
+        assert s["num_preemptions"] > 0 and s["prefix_cache_hits"] > 0, name
+        assert_pool_drained(llm)
+        if name == "noisy":
+            assert s["spec_decode_num_drafts"] > 10 and 0.1 < s["spec_decode_acceptance_rate"] < 0.95
+        if name == "self":
+            assert s["num_blocks_swapped_in"] > 0 and s["host_prefix_cache_blocks_in"] > 0, s
+            assert s["spec_decode_num_drafts"] > 10 and s["spec_decode_acceptance_rate"] == 1.0
+    assert outputs["noisy"] == outputs["plain"] and outputs["self"] == outputs["plain"]
+
+
+def test_draft_model_samples_reproducibly_and_forks_its_pages(model, untimed_speculation):
+    """n = 2 seeded samples with the target as its own draft (q = p: each draft is accepted): the
+    forked child's draft pages were copied with the target's, the same tokens on every run."""
+    params = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=30)
+    runs = []
+    for _ in range(2):
+        llm = LLM(model, block_size=4, num_blocks=64, max_num_seqs=4, num_decode_steps=4, log_stats=False,
+                  speculative_config=_draft(model))
+        out = llm.generate([[5, 17, 99, 3, 42, 8, 5, 17, 99]], params)[0]
+        runs.append([c.token_ids for c in out.outputs])
+        s = llm.stats()
+        assert s["spec_decode_num_drafts"] > 5 and s["spec_decode_acceptance_rate"] > 0.97
+        assert_pool_drained(llm)
+    assert runs[0] == runs[1] and runs[0][0] != runs[0][1] and all(len(r) == 30 for r in runs[0])
+
+
+def test_draft_model_from_a_checkpoint_directory(untimed_speculation):
+    """vLLM's form, a path: the embedded model drafting for itself gives its plain greedy answer
+    with every draft accepted, each block holding both models' K/V (twice the bytes); a draft of
+    another vocabulary (stories260K's 512 tokens) is refused by name."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    embedded, stories = str(root / "models" / "embedded"), str(root / "tests" / "data" / "stories260K")
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    kw = dict(num_blocks=40, max_num_seqs=2, log_stats=False)
+    plain = LLM(embedded, **kw)
+    spec = LLM(embedded, speculative_config=_draft(embedded, 4), **kw)
+    prompt = "def main():\n    "
+    assert spec.generate(prompt, greedy)[0].outputs[0].token_ids == plain.generate(prompt, greedy)[0].outputs[0].token_ids
+    assert spec.stats()["spec_decode_acceptance_rate"] == 1.0 and spec.stats()["spec_decode_num_drafts"] > 0
+    assert spec.engine.config.bytes_per_block == 2 * plain.engine.config.bytes_per_block
+    with pytest.raises(ValueError, match="draft model's vocab_size 512 differs from the target's 4096"):
+        LLM(embedded, speculative_config=_draft(stories), **kw)
