@@ -226,6 +226,8 @@ class LLMEngine:
         elif self.scheduler.has_work:
             drafts = self.speculator.propose(self.scheduler.running) if self.speculator else None
             plan = self.scheduler.schedule(drafts)
+            if self.speculator:
+                self.speculator.limit_decode(plan)
             self._count_plan(plan)
             call = self.model_runner.dispatch(plan)
             if plan.is_decode and self.async_scheduling and not plan.one_step:  # processed next step

@@ -33,6 +33,7 @@ RATE_WEIGHT = 0.5  # how much one verification moves a sequence's acceptance rat
 RATE_RECOVERY = 0.02  # per call it rests: the rate moves this share back toward 1 (a probe every ~4 calls)
 MIN_EXPECTED_PER_ROW = 0.5  # expected accepted drafts per running row for a call to verify
 COST_WEIGHT = 0.2  # how much one timed call moves the running cost of its kind
+PROBE_STEPS = 2  # decode steps of a call while speculating rows look for a match
 DRAFT_PLACEHOLDER = 0  # a draft model's proposal slot in the plan, before the device proposes it
 
 
@@ -133,6 +134,7 @@ class Speculator:
         # programs' shapes); a call during which jax compiled is not timed.
         self.costs: dict[tuple[str, int], float] = {}
         self._compiles_at_propose = 0
+        self._probing = False  # the last `propose` found rows to speculate but no match for any
         _listen_for_compiles()
         self.reset_counters()
 
@@ -145,7 +147,7 @@ class Speculator:
         """The drafts of the decoding rows worth a verification call, or {} for a plain decode call.
         Rows that verify nothing this call move their rate back toward 1, so a resting row probes
         again after a while."""
-        c, found, rows = self.config, {}, []
+        c, found, rows, unmatched = self.config, {}, [], {}
         self._compiles_at_propose = _NUM_COMPILES[0]
         for seq in running:
             if seq.num_tokens - seq.num_computed != 1 or not self._may_speculate(seq):
@@ -162,11 +164,24 @@ class Speculator:
             drafts = ngram_proposal(np.asarray(seq.token_ids, np.int32), c.prompt_lookup_min, c.prompt_lookup_max, room)
             if drafts.size:
                 found[seq] = drafts.tolist()
+            else:
+                unmatched[seq] = [DRAFT_PLACEHOLDER] * room
         chosen = found if found and self._worth_verifying(found, len(rows)) else {}
         for seq in rows:
             if seq not in chosen:
                 seq.spec_rate += (1.0 - seq.spec_rate) * RATE_RECOVERY
+        # No row matched, but if they all had, verifying would pay: look again soon.
+        self._probing = bool(unmatched) and not found and self._worth_verifying(unmatched, len(rows))
         return chosen
+
+    def limit_decode(self, plan) -> None:
+        """A plain decode call planned while speculating rows found no match, though a match would
+        have made a verification worth it, runs PROBE_STEPS steps (its rows' reservations cut
+        there), not the K of the loop: an output that starts to repeat its context is verified a
+        token or two later, not K."""
+        if self._probing and plan.is_decode:
+            ends = np.array([seq.num_tokens - 1 + PROBE_STEPS for seq, _ in plan.scheduled], np.int32)
+            plan.num_mapped[: ends.size] = np.minimum(plan.num_mapped[: ends.size], ends)
 
     def _worth_verifying(self, found: dict[Sequence, list[int]], num_rows: int) -> bool:
         """Expected tokens per second of one verification call (each row's last token, its drafts

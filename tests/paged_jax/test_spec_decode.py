@@ -169,6 +169,33 @@ def test_a_call_verifies_when_its_tokens_per_second_beat_a_decode_step():
     assert spec.propose([seq]) == {}
 
 
+def test_a_decode_call_while_rows_wait_for_a_match_is_short():
+    """No row matched, but a match would make a verification pay: the plain decode call runs
+    PROBE_STEPS steps (its rows' mapped slots cut there), so a verification comes a token or two
+    after the output starts repeating, not K. Once a verification could not pay (its timed cost),
+    or the row rests, the call runs its K steps."""
+    from paged_jax.core.plan import Plan
+
+    spec = speculative.Speculator(speculative.SpeculativeConfig("ngram", 4, 1, 2), max_model_len=100,
+                                  max_num_seqs=8, max_num_batched_tokens=64)
+    seq = _sequence([3, 4, 5, 6, 7, 8, 9])  # nothing repeats: no proposal
+
+    def mapped_after_propose():
+        assert spec.propose([seq]) == {}
+        plan = Plan(scheduled=[(seq, 1)], num_mapped=np.array([16], np.int32), is_decode=True)
+        spec.limit_decode(plan)
+        return plan.num_mapped.tolist()
+
+    assert mapped_after_propose() == [16]  # no decode step timed yet: nothing to compare a verification with
+    spec.observe(spec.step_key(1), 0.010)
+    assert mapped_after_propose() == [6 + speculative.PROBE_STEPS]  # its last token is at position 6
+    spec.observe(spec.verify_key(5), 0.060)  # 5 tokens in 60 ms can never beat 1 in 10 ms
+    assert mapped_after_propose() == [16]
+    spec.costs.pop(spec.verify_key(5))
+    seq.spec_rate = 0.1  # resting: 0.4 expected drafts
+    assert mapped_after_propose() == [16]
+
+
 def _sequence(tokens, max_tokens=64):
     request = Request("r", None, list(tokens[:2]), SamplingParams(max_tokens=max_tokens), 0.0)
     seq = Sequence(request, 0, list(tokens), np.zeros(2, np.uint32), num_computed=len(tokens) - 1)
