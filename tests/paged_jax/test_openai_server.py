@@ -373,15 +373,45 @@ def test_bad_tool_requests_are_400_naming_the_field(servers, body, param):
     ({"prompt": "x", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
     ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ({"prompt": [5, 99999]}, 400, "prompt"),
+    # The request model's own checks (pydantic, strict: true is not a number, 1.0 not an integer)
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "x", "n": True}, 400, "n"),
+    ({"prompt": "x", "max_tokens": 2.0}, 400, "max_tokens"),
+    ({"prompt": [5, "a"]}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({}, 400, "prompt"),
+    ({"prompt": "x", "stop": ["a", 3]}, 400, "stop"),
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}}, 400, "stream_options"),
 ])
 def test_bad_requests_get_openais_error_body_and_the_server_goes_on(servers, body, status, param):
     got_status, got = servers[0].post("/v1/completions", json.dumps(body).encode(), {"Authorization": f"Bearer {KEY}"})
-    assert got_status == status
+    assert got_status == status, got
     assert set(got["error"]) == {"message", "type", "param", "code"}
     assert got["error"]["code"] == status and got["error"]["param"] == param
     ok, answer = servers[0].post("/v1/completions", b'{"prompt": "x", "max_tokens": 2}',
                                  {"Authorization": f"Bearer {KEY}"})
     assert ok == 200 and answer["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"messages": [{"content": "x"}]}, "messages", "messages.0.role: Field required"),
+    ({"messages": []}, "messages", "messages: List should have at least 1 item"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]}, "messages",
+     "messages.0.content.list[TextPart].0.type: Input should be 'text'"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs", "Input should be a valid boolean"),
+])
+def test_a_chat_body_its_model_refuses_is_400_naming_the_field(servers, body, param, message):
+    """The chat request's model (pydantic): each error's path in the message, the field as param."""
+    status, got = servers[0].post("/v1/chat/completions", json.dumps(body).encode(), {"Authorization": f"Bearer {KEY}"})
+    assert (status, got["error"]["param"], got["error"]["type"]) == (400, param, "BadRequestError"), got
+    assert message in got["error"]["message"], got
+
+
+def test_fields_the_server_does_not_read_are_ignored(servers):
+    """OpenAI's bodies may carry more than this server reads (vLLM accepts them too)."""
+    status, got = servers[0].post("/v1/completions", b'{"prompt": "x", "max_tokens": 2, "metadata": {"k": 1}}',
+                                  {"Authorization": f"Bearer {KEY}"})
+    assert status == 200 and got["usage"]["completion_tokens"] == 2
 
 
 def test_malformed_json_and_a_body_over_the_limit_are_400(servers):

@@ -9,14 +9,16 @@ import re
 import time
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
 import paged_jax
 from paged_jax.entrypoints.async_llm import AsyncLLM, EngineDeadError
+from paged_jax.entrypoints.openai import protocol
 from paged_jax.entrypoints.openai.metrics import Metrics
-from paged_jax.entrypoints.openai.protocol import APIError, engine_dead, field
+from paged_jax.entrypoints.openai.protocol import APIError, DetokenizeRequest, TokenizeRequest, engine_dead
 from paged_jax.entrypoints.openai.serving import Serving
 
 MAX_REQUEST_BYTES = 4 << 20  # a body past this is refused, and never held in memory
@@ -134,6 +136,11 @@ def build_app(llm: AsyncLLM, *, model_name: str, metrics: Metrics, api_key: str 
         metrics.refused.inc()
         return JSONResponse(e.body(), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, e: RequestValidationError):  # a body its model refused (vLLM's handler too)
+        error = protocol.validation_error(e)
+        return JSONResponse(error.body(), status_code=400)
+
     @app.exception_handler(EngineDeadError)
     async def dead(_, e: EngineDeadError):
         return JSONResponse(engine_dead(e).body(), status_code=500)
@@ -180,26 +187,23 @@ def build_app(llm: AsyncLLM, *, model_name: str, metrics: Metrics, api_key: str 
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        body = await _read_json(request, max_request_bytes, serving)
-        serving.check_model(field(body, "model", str))
-        if "messages" in body:
+        body = TokenizeRequest.parse(await _read_json(request, max_request_bytes, serving))
+        serving.check_model(body.model)
+        if body.messages is not None:
             ids = await serving.off_loop(serving.chat_prompt, body)
         else:
-            prompt = field(body, "prompt", str)
-            if prompt is None or serving.tokenizer is None:
+            if body.prompt is None or serving.tokenizer is None:
                 raise APIError("prompt (a string) or messages is required, and a model with a tokenizer",
                                param="prompt")
-            ids = await serving.off_loop(serving.tokenizer.encode, prompt,
-                                         add_special_tokens=field(body, "add_special_tokens", bool, True))
+            ids = await serving.off_loop(serving.tokenizer.encode, body.prompt,
+                                         add_special_tokens=body.add_special_tokens)
         return {"count": len(ids), "max_model_len": engine.config.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        body = await _read_json(request, max_request_bytes, serving)
-        serving.check_model(field(body, "model", str))
-        tokens = field(body, "tokens", list)
-        if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise APIError(f"tokens must be a list of token ids, got {body.get('tokens')!r}", param="tokens")
+        body = DetokenizeRequest.parse(await _read_json(request, max_request_bytes, serving))
+        serving.check_model(body.model)
+        tokens = body.tokens
         try:
             engine.tokenize_prompt(tokens or [0])  # the same range check as a prompt's
         except ValueError as e:

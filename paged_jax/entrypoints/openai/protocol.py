@@ -1,12 +1,19 @@
-"""OpenAI's request fields (with vLLM's extras) read into `SamplingParams`, and OpenAI's error body.
+"""The request bodies as pydantic models (vLLM's names and defaults), read into `SamplingParams`,
+and OpenAI's error body.
 
-Fields are read by hand rather than through a pydantic model: a bad value must come back as
-OpenAI's 400 naming the parameter (`{"error": {"message", "type", "param", "code"}}`, as vLLM
-sends it), not as a framework's 422 in another shape.
+A model checks each field's type and shape (strictly: `true` is not a number, `1.0` not an
+integer); its errors reach the client as OpenAI's 400 naming the field (`{"error": {"message",
+"type", "param", "code"}}`, api_server.py's RequestValidationError handler, as vLLM registers one).
+What depends on several fields or on the server (ranges, stream_options without stream, logprobs
+limits) is checked here and by `SamplingParams`, each error naming its field.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Annotated, Any, Literal
+
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.structured_output.params import GUIDED_FIELDS, from_openai_request
@@ -28,27 +35,118 @@ def not_found(message: str) -> APIError:
     return APIError(message, status=404, type="NotFoundError")
 
 
-_NUMBER = (int, float)
-# field -> (accepted types, default); bool is excluded from numbers below (True is an int in Python).
-SAMPLING_FIELDS = {
-    "n": (int, 1), "temperature": (_NUMBER, 1.0), "top_p": (_NUMBER, 1.0), "top_k": (int, 0),
-    "min_p": (_NUMBER, 0.0), "presence_penalty": (_NUMBER, 0.0), "frequency_penalty": (_NUMBER, 0.0),
-    "repetition_penalty": (_NUMBER, 1.0), "seed": (int, None), "stop_token_ids": (list, None),
-    "ignore_eos": (bool, False), "min_tokens": (int, 0), "include_stop_str_in_output": (bool, False),
-    "skip_special_tokens": (bool, True),
-}
+def validation_error(e: RequestValidationError) -> APIError:
+    """OpenAI's 400 for a body its model refused: the first error's field as `param`, each error's
+    path and reason in the message (a union, such as `prompt`, has one per form it could take)."""
+    errors = e.errors()
+    first = errors[0]
+    param = first["loc"][0] if first["loc"] else None
+    reasons = "; ".join(f"{'.'.join(str(x) for x in error['loc'])}: {error['msg']}" for error in errors[:4])
+    more = f" (and {len(errors) - 4} more)" if len(errors) > 4 else ""
+    return APIError(f"{reasons}{more}; got {first['input']!r}"[:500], param=param if isinstance(param, str) else None)
 
 
-def field(body: dict, name: str, types, default=None):
-    """body[name] (None or absent -> default), or a 400 naming the field when it has the wrong type."""
-    value = body.get(name)
-    if value is None:
-        return default
-    wanted = types if isinstance(types, tuple) else (types,)
-    if (isinstance(value, bool) and bool not in wanted) or not isinstance(value, wanted):
-        names = " or ".join(t.__name__ for t in wanted)
-        raise APIError(f"{name} must be {names}, got {value!r}", param=name)
-    return value
+class _Body(BaseModel):
+    """OpenAI lets a body carry fields this server does not read (vLLM too); the ones it reads are
+    typed strictly."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @classmethod
+    def parse(cls, body: dict):
+        """The model of `body`, or RequestValidationError (FastAPI's own, handled as OpenAI's 400)."""
+        try:
+            return cls.model_validate(body)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors(include_url=False)) from None
+
+
+TokenIds = Annotated[list[int], Field(min_length=1)]
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """The fields completions and chat share (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    user: str | None = None
+    logit_bias: dict | None = None
+    response_format: dict | None = None
+    # vLLM's extra sampling parameters
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    cache_salt: str | None = None
+    return_tokens_as_token_ids: bool = False
+    # Structured outputs: their contents are checked where they are compiled (structured_output/params.py).
+    structured_outputs: dict | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | TokenIds | Annotated[list[str | TokenIds], Field(min_length=1)]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    """One message; `name`, `tool_calls`, `tool_call_id` and the rest reach the chat template as given."""
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
 
 
 @dataclasses.dataclass
@@ -64,24 +162,23 @@ class Options:
     cache_salt: str | None
 
 
-def read_options(body: dict, *, chat: bool) -> Options:
-    stream = field(body, "stream", bool, False)
-    stream_options = field(body, "stream_options", dict)
-    if stream_options is not None and not stream:
+def read_options(request: CompletionRequest | ChatCompletionRequest) -> Options:
+    chat = isinstance(request, ChatCompletionRequest)
+    if request.stream_options is not None and not request.stream:
         raise APIError("stream_options can only be given when stream is true", param="stream_options")
-    include_usage = field(stream_options or {}, "include_usage", bool, False)
+    include_usage = request.stream_options is not None and request.stream_options.include_usage
     if chat:
-        logprobs = field(body, "top_logprobs", int, 0) if field(body, "logprobs", bool, False) else None
-        if logprobs is None and body.get("top_logprobs"):
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        if logprobs is None and request.top_logprobs:
             raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
         name = "top_logprobs"
     else:
-        logprobs, name = field(body, "logprobs", int), "logprobs"
+        logprobs, name = request.logprobs, "logprobs"
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise APIError(f"{name} must be in [0, {MAX_LOGPROBS}], got {logprobs}", param=name)
-    echo = not chat and field(body, "echo", bool, False)
-    prompt_logprobs = field(body, "prompt_logprobs", int)
-    if prompt_logprobs is not None and stream:  # vLLM's rule: they would come only at the end
+    echo = not chat and request.echo
+    prompt_logprobs = request.prompt_logprobs
+    if prompt_logprobs is not None and request.stream:  # vLLM's rule: they would come only at the end
         raise APIError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
     if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
         raise APIError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs}",
@@ -89,54 +186,57 @@ def read_options(body: dict, *, chat: bool) -> Options:
     if prompt_logprobs is None and echo and logprobs is not None:  # vLLM: echoed tokens get logprobs too
         prompt_logprobs = logprobs
     for unsupported in ("logit_bias", "suffix", "functions") + (() if chat else ("tools", "tool_choice")):
-        if body.get(unsupported):
+        if getattr(request, unsupported, None):
             raise APIError(f"{unsupported} is not supported by this server", param=unsupported)
-    best_of = field(body, "best_of", int)
-    if best_of is not None and best_of != field(body, "n", int, 1):
-        raise APIError(f"best_of={best_of} different from n is not supported", param="best_of")
-    return Options(model=field(body, "model", str), stream=stream, include_usage=include_usage,
-                   logprobs=logprobs, prompt_logprobs=prompt_logprobs, echo=echo,
-                   cache_salt=field(body, "cache_salt", str))
+    if request.best_of is not None and request.best_of != request.n:
+        raise APIError(f"best_of={request.best_of} different from n is not supported", param="best_of")
+    return Options(model=request.model, stream=request.stream, include_usage=include_usage, logprobs=logprobs,
+                   prompt_logprobs=prompt_logprobs, echo=echo, cache_salt=request.cache_salt)
 
 
-def read_sampling_params(body: dict, *, max_tokens: int | None, options: Options) -> SamplingParams:
+# The request's fields that are SamplingParams' own, under the same names.
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+                   "include_stop_str_in_output", "skip_special_tokens")
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", *GUIDED_FIELDS)
+
+
+def read_sampling_params(request: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None,
+                         options: Options) -> SamplingParams:
     """`max_tokens`: what the request asked (already checked against the context), None: up to it."""
-    kwargs = {name: field(body, name, types, default) for name, (types, default) in SAMPLING_FIELDS.items()}
-    stop = body.get("stop")
-    if stop is not None and not (isinstance(stop, str) or
-                                 (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
-        raise APIError(f"stop must be a string or a list of strings, got {stop!r}", param="stop")
-    if kwargs["stop_token_ids"] is not None and not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in kwargs["stop_token_ids"]):
-        raise APIError(f"stop_token_ids must be a list of integers, got {kwargs['stop_token_ids']!r}",
-                       param="stop_token_ids")
     try:
-        structured = from_openai_request(body)
+        structured = from_openai_request(structured_outputs_request(request))
     except ValueError as e:  # "response_format.json_schema.schema: must be ..."
         raise APIError(str(e), param=str(e).split(":", 1)[0].split(",", 1)[0]) from None
     try:
-        return SamplingParams(stop=stop, max_tokens=max_tokens, logprobs=options.logprobs,
-                              prompt_logprobs=options.prompt_logprobs, structured_outputs=structured, **kwargs)
+        return SamplingParams(max_tokens=max_tokens, logprobs=options.logprobs, prompt_logprobs=options.prompt_logprobs,
+                              structured_outputs=structured, **{name: getattr(request, name) for name in SAMPLING_FIELDS})
     except ValueError as e:  # SamplingParams names the field first: "temperature must be >= 0, got -1"
         name = str(e).split(" ", 1)[0]
-        raise APIError(str(e), param=name if name in SAMPLING_FIELDS or name in ("max_tokens", "stop") else None)
+        raise APIError(str(e), param=name if name in SAMPLING_FIELDS or name == "max_tokens" else None)
 
 
-def structured_outputs_field(body: dict) -> str:
+def structured_outputs_request(request) -> dict:
+    """The fields that may ask for a structured output, as `from_openai_request` reads them."""
+    return {name: getattr(request, name) for name in STRUCTURED_FIELDS}
+
+
+def structured_outputs_field(request) -> str:
     """The request field a structured output came from (the param of a 400 about its grammar)."""
     def asks(name):  # a response_format of type "text" asks for none
-        value = body.get(name)
+        value = getattr(request, name)
         return value is not None and not (name == "response_format" and value.get("type") == "text")
 
-    return next(name for name in ("response_format", "structured_outputs", *GUIDED_FIELDS) if asks(name))
+    return next(name for name in STRUCTURED_FIELDS if asks(name))
 
 
-def requested_max_tokens(body: dict, *, chat: bool) -> int | None:
+def requested_max_tokens(request: CompletionRequest | ChatCompletionRequest) -> int | None:
     """max_tokens (chat also takes max_completion_tokens); completions default to 16, chat to
     whatever the context leaves (OpenAI's and vLLM's defaults)."""
-    value = field(body, "max_tokens", int)
+    chat = isinstance(request, ChatCompletionRequest)
+    value = request.max_tokens
     if chat and value is None:
-        value = field(body, "max_completion_tokens", int)
+        value = request.max_completion_tokens
     if value is None:
         return None if chat else 16
     if value < 1:
@@ -144,41 +244,22 @@ def requested_max_tokens(body: dict, *, chat: bool) -> int | None:
     return value
 
 
-def read_prompts(body: dict) -> list:
+def read_prompts(request: CompletionRequest) -> list:
     """Completions' `prompt`: a string, a list of strings, token ids, or a list of token-id lists
     -> a list of prompts (each a string or a list of ints)."""
-    prompt = body.get("prompt")
-
-    def is_ids(value):
-        return isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-
-    if isinstance(prompt, str):
-        return [prompt]
-    if is_ids(prompt):
-        return [prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
-        return list(prompt)
-    raise APIError(f"prompt must be a string, a list of strings, or token ids, got {prompt!r}"[:300], param="prompt")
+    prompt = request.prompt
+    return [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else list(prompt)
 
 
-def read_messages(body: dict) -> list[dict]:
-    """Chat `messages` with each content as a string (OpenAI's list of text parts joined)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError("messages must be a non-empty list", param="messages")
+def read_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Chat `messages` as the chat template takes them, each content a string (OpenAI's list of
+    text parts joined)."""
     out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise APIError(f"messages[{i}] must be an object with a role, got {message!r}"[:300], param="messages")
-        content = message.get("content")
+    for message in messages:
+        content = message.content
         if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise APIError(f"messages[{i}].content: only text parts are supported", param="messages")
-            content = "".join(p["text"] for p in content)
-        elif content is not None and not isinstance(content, str):
-            raise APIError(f"messages[{i}].content must be a string or a list of text parts", param="messages")
-        out.append({**message, "content": content})
+            content = "".join(part.text for part in content)
+        out.append({**message.model_dump(exclude_unset=True), "content": content})
     return out
 
 

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 from paged_jax.entrypoints.async_llm import AsyncLLM, EngineBusyError, EngineDeadError
 from paged_jax.entrypoints.openai import protocol
-from paged_jax.entrypoints.openai.protocol import APIError, busy, engine_dead, field
+from paged_jax.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, busy, engine_dead
 from paged_jax.entrypoints.openai.response import ChoicesResponse
 from paged_jax.entrypoints.openai.tool_calling import ToolCalling, template_messages
 
@@ -58,14 +58,16 @@ class Serving:
         if reason is not None:
             raise APIError(reason, param="n" if reason.startswith("n=") else None)
 
-    def chat_prompt(self, body: dict, tools: ToolCalling | None = None) -> list[int]:
+    def chat_prompt(self, request, tools: ToolCalling | None = None) -> list[int]:
+        """The token ids of a request's `messages` rendered by the chat template (a chat request, or
+        a /tokenize request with messages)."""
         if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError("this model has no chat template (no chat_template in tokenizer_config.json and no "
                            "chat_template.jinja); start the server with --chat-template FILE", param="messages")
-        messages = protocol.read_messages(body)
+        messages = protocol.read_messages(request.messages)
         try:
             return self.tokenizer.apply_chat_template(
-                template_messages(messages), add_generation_prompt=field(body, "add_generation_prompt", bool, True),
+                template_messages(messages), add_generation_prompt=request.add_generation_prompt,
                 tokenize=True, **({"tools": tools.tools} if tools is not None else {}))
         except ValueError as e:
             raise APIError(f"the chat template failed: {e}", param="messages") from None
@@ -73,15 +75,17 @@ class Serving:
     # -- one endpoint ---------------------------------------------------------------------------
 
     async def create(self, body: dict, *, chat: bool):
-        """-> a response dict, or an async iterator of SSE lines when the request streams."""
-        options = protocol.read_options(body, chat=chat)
+        """-> a response dict, or an async iterator of SSE lines when the request streams.
+        RequestValidationError when the body does not fit its model (OpenAI's 400 naming the field)."""
+        request = await self.off_loop((ChatCompletionRequest if chat else CompletionRequest).parse, body)
+        options = protocol.read_options(request)
         self.check_model(options.model)
-        max_tokens = protocol.requested_max_tokens(body, chat=chat)
-        params = protocol.read_sampling_params(body, max_tokens=max_tokens, options=options)
+        max_tokens = protocol.requested_max_tokens(request)
+        params = protocol.read_sampling_params(request, max_tokens=max_tokens, options=options)
         if params.n > self.engine.config.max_num_seqs:  # before the KV-cache check, which n also fails
             raise APIError(f"n={params.n} samples exceed this server's max_num_seqs="
                            f"{self.engine.config.max_num_seqs}", param="n")
-        texts = None if chat else protocol.read_prompts(body)
+        texts = None if chat else protocol.read_prompts(request)
         count, limit = 1 if chat else len(texts), self.llm.max_requests
         if count > limit:  # could never be admitted: a 400, not a retry
             raise APIError(f"a request may hold at most {limit} prompts (this server's limit of unfinished "
@@ -91,12 +95,12 @@ class Serving:
                        f"limit is {limit}: retry later")
         self.preparing += count
         try:
-            prompts, params, tools = await self.off_loop(self._prepare, body, texts, max_tokens, params)
+            prompts, params, tools = await self.off_loop(self._prepare, request, texts, max_tokens, params)
         finally:
             self.preparing -= count
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         response = ChoicesResponse(self, request_id, chat, params.n, prompts, options, tools=tools,
-                                   token_ids_as_tokens=field(body, "return_tokens_as_token_ids", bool, False))
+                                   token_ids_as_tokens=request.return_tokens_as_token_ids)
         try:
             streams = self.llm.generate_many([(f"{request_id}-{i}", ids) for i, ids in enumerate(prompts)],
                                              params, cache_salt=options.cache_salt)
@@ -115,19 +119,19 @@ class Serving:
             raise engine_dead(e) from None
         return response.body()
 
-    def _prepare(self, body: dict, texts: list | None, max_tokens: int | None, params):
+    def _prepare(self, request, texts: list | None, max_tokens: int | None, params):
         """On the worker pool: the request's tools (chat), its prompts as token ids, each checked to
         fit, and its grammar checked (a schema can be large) -> (prompts, params with the tools'
         grammar, ToolCalling or None)."""
         chat = texts is None
-        tools = ToolCalling.from_request(body, parser=self.tool_parser, auto=self.enable_auto_tool_choice) if chat else None
-        grammar_field = None if params.structured_outputs is None else protocol.structured_outputs_field(body)
+        tools = ToolCalling.from_request(request, parser=self.tool_parser, auto=self.enable_auto_tool_choice) if chat else None
+        grammar_field = None if params.structured_outputs is None else protocol.structured_outputs_field(request)
         if tools is not None and tools.structured_outputs is not None:
             if params.structured_outputs is not None:
                 raise APIError(f"tool_choice {tools.tool_choice!r} is a structured output: it cannot be combined "
                                f"with {grammar_field}", param="tool_choice")
             params, grammar_field = dataclasses.replace(params, structured_outputs=tools.structured_outputs), "tool_choice"
-        prompts = [self.chat_prompt(body, tools)] if chat else [self.encode(p) for p in texts]
+        prompts = [self.chat_prompt(request, tools)] if chat else [self.encode(p) for p in texts]
         for ids in prompts:
             self.check_fits(ids, max_tokens, params)
         if params.structured_outputs is not None:  # a 400 now, not a failed request later

@@ -31,9 +31,9 @@ class ToolCalling:
             raise APIError(str(e), param=str(e).split(".", 1)[0].split(":", 1)[0].split("[", 1)[0]) from None
 
     @classmethod
-    def from_request(cls, body: dict, *, parser: ToolParser | None, auto: bool) -> ToolCalling | None:
-        """None when the request has no tools (or asks for none to be called and gets plain text)."""
-        tools, tool_choice = body.get("tools"), body.get("tool_choice")
+    def from_request(cls, request, *, parser: ToolParser | None, auto: bool) -> ToolCalling | None:
+        """None when the chat request has no tools (or asks for none to be called and gets plain text)."""
+        tools, tool_choice = request.tools, request.tool_choice
         if tools is None:
             if tool_choice not in (None, "none"):
                 raise APIError(f"tool_choice {tool_choice!r} needs tools", param="tool_choice")
