@@ -30,12 +30,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def untimed_speculation(monkeypatch):
-    """Speculative decoding that verifies by the rows' acceptance alone, not by the costs it times
-    (which follow this machine's load and the calls that compiled): a test's count of
-    verifications does not depend on timing."""
+    """Speculative decoding that verifies (and shortens decode calls to look for matches) by the
+    rows' acceptance alone, not by the costs it times (which follow this machine's load and the
+    calls that compiled): a test's count of verifications does not depend on timing."""
     from paged_jax.engine import speculative
 
     monkeypatch.setattr(speculative.Speculator, "_worth_verifying", speculative.Speculator.expects_enough)
+    monkeypatch.setattr(speculative.Speculator, "_worth_probing", speculative.Speculator.expects_enough)
 
 
 @pytest.fixture(scope="session")

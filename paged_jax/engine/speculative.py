@@ -171,8 +171,15 @@ class Speculator:
             if seq not in chosen:
                 seq.spec_rate += (1.0 - seq.spec_rate) * RATE_RECOVERY
         # No row matched, but if they all had, verifying would pay: look again soon.
-        self._probing = bool(unmatched) and not found and self._worth_verifying(unmatched, len(rows))
+        self._probing = bool(unmatched) and not found and self._worth_probing(unmatched, len(rows))
         return chosen
+
+    def _worth_probing(self, unmatched: dict[Sequence, list[int]], num_rows: int) -> bool:
+        """Whether the rows, had they all matched, would have verified by the timed costs (both
+        timed: a guess from the rates alone would shorten calls that never verify)."""
+        step = self.costs.get(self.step_key(num_rows))
+        verify = self.costs.get(self.verify_key(num_rows + sum(len(d) for d in unmatched.values())))
+        return step is not None and verify is not None and self._beats(unmatched, num_rows, step, verify)
 
     def limit_decode(self, plan) -> None:
         """A plain decode call planned while speculating rows found no match, though a match would
@@ -194,6 +201,10 @@ class Speculator:
         verify = self.costs.get(self.verify_key(num_rows + sum(len(d) for d in found.values())))
         if verify is None:
             return self.expects_enough(found, num_rows)
+        return self._beats(found, num_rows, step, verify)
+
+    def _beats(self, found: dict[Sequence, list[int]], num_rows: int, step: float, verify: float) -> bool:
+        """A verification's expected tokens per second against a decode step's."""
         return (num_rows + self._gain(found)) / verify >= num_rows / step
 
     @staticmethod

@@ -115,18 +115,20 @@ def test_what_the_engine_reads_of_a_window(save_hf):
     assert config.layer_windows == (16, None, 16) and config.kv_window is None
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 @pytest.mark.parametrize("family", ["qwen3", "mistral_window"])
-def test_speculative_greedy_tokens_match_transformers(save_hf, family, untimed_speculation):
-    """n-gram speculative decoding (every 1-gram proposes, so most calls verify) on a pool tight
-    enough to preempt, with prefix hits and, for Mistral, the window freeing blocks behind it:
+def test_speculative_greedy_tokens_match_transformers(save_hf, family, method, untimed_speculation):
+    """Speculative decoding on a pool tight enough to preempt, with prefix hits and, for Mistral,
+    the window freeing blocks behind it (the draft's pages with the target's): n-gram (every 1-gram
+    proposes, so most calls verify) and a draft model (the checkpoint itself, loaded by path):
     transformers' greedy tokens."""
     directory, hf_model = save_hf(family_config(family))
     expected = hf_greedy(hf_model, PROMPTS)
     windowed = family == "mistral_window"
+    config = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+              if method == "ngram" else {"method": "draft_model", "model": str(directory), "num_speculative_tokens": 3})
     llm = LLM(str(directory), block_size=8, num_blocks=9 if windowed else 16, max_num_seqs=4, num_decode_steps=4,
-              max_num_batched_tokens=16 if windowed else None, log_stats=False,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                                  "prompt_lookup_max": 2})
+              max_num_batched_tokens=16 if windowed else None, log_stats=False, speculative_config=config)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
     stats = llm.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
