@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import os
 import sys
 import time
@@ -151,7 +150,7 @@ def main(argv=None):
                                 max_tokens=args.max_tokens)
         model, tokenizer = load(args)
         inputs = chat_inputs(tokenizer, prompts) if args.chat else prompts
-        llm = LLM(model, tokenizer=tokenizer, **dataclasses.asdict(engine_args))
+        llm = LLM(model, tokenizer=tokenizer, **engine_args.kwargs())
     except (OSError, ValueError, ImportError) as e:  # ImportError: --chat without jinja2
         fail(str(e))
     # Every process runs the same generation (each step is one program across all of them); one prints.

@@ -115,6 +115,11 @@ class EngineArgs:
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
         return cls(**{**values, **overrides})
 
+    def kwargs(self) -> dict:
+        """The fields as keyword arguments (`LLM(model, **args.kwargs())`), each value as it is:
+        `dataclasses.asdict` would turn the speculative config back into a dict and copy its model."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
     # -- sizing ----------------------------------------------------------------------------------
 
     def create_mesh(self, mesh=None):

@@ -78,7 +78,7 @@ class SpeculativeConfig:
                 raise ValueError("speculative_config method 'draft_model' needs \"model\": a checkpoint "
                                  "directory or GGUF file of the draft")
             return cls(method, k, model=model)
-        if "model" in value:
+        if value.get("model") is not None:
             raise ValueError("speculative_config \"model\" applies to method 'draft_model', not 'ngram'")
         # vLLM's defaults: both 5 when neither is given, else the one given for both.
         low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")

@@ -73,6 +73,10 @@ def test_speculative_config_from_the_command_line():
     assert config == speculative.SpeculativeConfig("ngram", 4, prompt_lookup_min=5, prompt_lookup_max=5)
     assert EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                           "prompt_lookup_max": 3}).speculative_config.prompt_lookup_min == 3
+    # The fields as keyword arguments again (generate.py and the server build LLM so): the config as is.
+    args = EngineArgs.from_cli_args(parser.parse_args(
+        ["--speculative-config", '{"method": "draft_model", "model": "d", "num_speculative_tokens": 2}']))
+    assert EngineArgs(**args.kwargs()) == args and args.kwargs()["speculative_config"].model == "d"
 
 
 def _verify(logits, drafts, temperature, top_k=0, seed=0, draft_probs=None):

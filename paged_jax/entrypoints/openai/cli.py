@@ -10,7 +10,6 @@ others follow its steps (paged_jax.entrypoints.step_broadcast).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import os
 import signal
@@ -113,7 +112,7 @@ def _build(args, model: str):
     if not args.no_compilation_cache:
         compilation_cache.enable(args.compilation_cache_dir)
     try:
-        llm = LLM(model, **dataclasses.asdict(engine_args))
+        llm = LLM(model, **engine_args.kwargs())
         tokenizer = llm.get_tokenizer()
         if args.chat_template:
             if tokenizer is None:
