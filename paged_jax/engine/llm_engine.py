@@ -27,6 +27,10 @@ from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker import model_runner, sharding
 
 
+# Text a draft's tokenizer must encode as the target's: words, digits, punctuation, accents, an emoji.
+VOCABULARY_PROBE = "The quick brown fox, 42 times:\n\tdef naïve_café(x): return {'☕': x * 3.14}"
+
+
 class LLMEngine:
     def __init__(self, model, tokenizer=None, *, mesh=None, engine_args: EngineArgs | None = None, **kwargs):
         """`kwargs`, or `engine_args`: EngineArgs' fields (engine/arg_utils.py: names, defaults,
@@ -41,11 +45,17 @@ class LLMEngine:
             raise ValueError(f"pass engine_args or keyword arguments, not both (got {sorted(kwargs)})")
         args = self.engine_args = engine_args or EngineArgs(**kwargs)
         mesh = args.create_mesh(mesh)
-        draft = self._draft_model(args)
+        draft, draft_tokenizer = self._draft_model(args)
         if mesh is not None:
             model = sharding.shard_model(model, mesh)
             draft = draft and sharding.shard_model(draft, mesh)
         self.config = args.create_engine_config(model, mesh, draft)
+        if tokenizer is not None and draft_tokenizer is not None:  # the same size may be another vocabulary
+            ours, theirs = tokenizer.encode(VOCABULARY_PROBE), draft_tokenizer.encode(VOCABULARY_PROBE)
+            if ours != theirs:
+                raise ValueError(f"speculative_config draft model {args.speculative_config.model} has another "
+                                 f"vocabulary: it encodes {VOCABULARY_PROBE!r} as {theirs[:12]}..., the target "
+                                 f"as {ours[:12]}...")
         self.mesh = mesh
         self.model_config = model.config
         self.tokenizer = tokenizer
@@ -82,19 +92,19 @@ class LLMEngine:
 
     @staticmethod
     def _draft_model(args: EngineArgs):
-        """Speculative decoding's draft model (loaded if given as a path, in `dtype` if one is
-        given), or None."""
+        """Speculative decoding's draft model and its tokenizer (loaded if given as a path, in
+        `dtype` if one is given), or Nones."""
         spec = args.speculative_config
         if spec is None or spec.method != "draft_model":
-            return None
+            return None, None
         if isinstance(spec.model, (str, Path)):
             from paged_jax.entrypoints.llm import load_model  # the entry point imports this module
 
-            return load_model(spec.model, dtype=args.dtype)[0]
+            return load_model(spec.model, dtype=args.dtype)
         if not hasattr(spec.model, "init_cache"):
             raise ValueError(f"speculative_config \"model\" must be a checkpoint directory, a GGUF file or a "
                              f"paged_jax model, got {type(spec.model).__name__}")
-        return spec.model
+        return spec.model, None
 
     @classmethod
     def from_engine_args(cls, model, tokenizer, engine_args: EngineArgs, mesh=None) -> LLMEngine:

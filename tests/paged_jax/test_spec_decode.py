@@ -417,3 +417,21 @@ def test_draft_model_from_a_checkpoint_directory(untimed_speculation):
     assert spec.engine.config.bytes_per_block == 2 * plain.engine.config.bytes_per_block
     with pytest.raises(ValueError, match="draft model's vocab_size 512 differs from the target's 4096"):
         LLM(embedded, speculative_config=_draft(stories), **kw)
+
+
+def test_a_draft_with_another_vocabulary_of_the_same_size_is_refused(tmp_path):
+    """The embedded model with two of its tokens' ids swapped in tokenizer.json: the same 4096
+    tokens, another vocabulary, so its proposals would mean other tokens."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    embedded = Path(__file__).resolve().parents[2] / "models" / "embedded"
+    other = tmp_path / "other"
+    shutil.copytree(embedded, other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["The"], vocab["def"] = vocab["def"], vocab["The"]
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match="draft model .*other has another vocabulary: it encodes .The quick"):
+        LLM(str(embedded), num_blocks=40, max_num_seqs=2, log_stats=False, speculative_config=_draft(str(other)))
