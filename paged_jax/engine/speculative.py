@@ -6,7 +6,7 @@ verification is a ragged prefill row of 1 + k tokens (worker/rejection_sampler.p
 keeps the accepted prefix); a rejected tail is rolled back by the scheduler's bookkeeping alone
 (core/scheduler.py: only verified tokens count as computed). A draft model's proposals are made on
 the device in the verifying call itself (worker/runner.py: k draft steps, then the target's
-forward): the plan holds placeholders that reserve their slots.
+forward): the plan reserves their slots with a stand-in token, RESERVED_DRAFT.
 
 Speculation turns itself down where it does not pay (vLLM's does not): each sequence keeps a
 running acceptance rate; one whose proposals keep failing stops proposing and decodes in the K-step
@@ -34,7 +34,7 @@ RATE_RECOVERY = 0.02  # per call it rests: the rate moves this share back toward
 MIN_EXPECTED_PER_ROW = 0.5  # expected accepted drafts per running row for a call to verify
 COST_WEIGHT = 0.2  # how much one timed call moves the running cost of its kind
 PROBE_STEPS = 2  # decode steps of a call while speculating rows look for a match
-DRAFT_PLACEHOLDER = 0  # a draft model's proposal slot in the plan, before the device proposes it
+RESERVED_DRAFT = 0  # stands in the plan for a draft model's proposal, which the device writes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,13 +159,13 @@ class Speculator:
             if seq.spec_rate * c.num_speculative_tokens < MIN_EXPECTED_PER_ROW or room < 1:
                 continue
             if c.method == "draft_model":  # the draft model fills them in on the device, in the call
-                found[seq] = [DRAFT_PLACEHOLDER] * room
+                found[seq] = [RESERVED_DRAFT] * room
                 continue
             drafts = ngram_proposal(np.asarray(seq.token_ids, np.int32), c.prompt_lookup_min, c.prompt_lookup_max, room)
             if drafts.size:
                 found[seq] = drafts.tolist()
             else:
-                unmatched[seq] = [DRAFT_PLACEHOLDER] * room
+                unmatched[seq] = [RESERVED_DRAFT] * room
         chosen = found if found and self._worth_verifying(found, len(rows)) else {}
         for seq in rows:
             if seq not in chosen:

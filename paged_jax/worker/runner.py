@@ -131,8 +131,9 @@ def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: 
     `swapped`: the blocks of rows resumed after a swap or hitting the host prefix tier, one entry
     per cache of `state.caches` (`swap.gather_blocks`' layout), written to `batch.swap_blocks`
     before the forward; None when no row loads any. `draft_graphdef`, `draft_params`: a draft
-    model, which proposes the verifying rows' drafts (the batch holds placeholders there) and runs
-    over the batch too."""
+    model, which proposes the verifying rows' drafts into the slots the host reserved for them (the
+    batch's tokens there are stand-ins, written over before the target reads them) and runs over the
+    batch too."""
     num_rows = batch.slots.shape[0]
     caches = state.caches
     if swapped is not None:
@@ -230,12 +231,8 @@ def decode_steps(graphdef, params, state: DeviceState, batch: DecodeBatch, sp: s
                                block_tables=batch.block_tables, seq_lens=jnp.where(active, positions + 1, 0),
                                query_start_loc=jnp.arange(num_rows + 1, dtype=jnp.int32), decode_only=True)
         logits, cache = model(last, positions, caches[0], md, rows, backend=flags.backend, mesh=flags.mesh)
-        if draft_model is not None:
-            _, draft_cache = draft_model(last, positions, caches[1], md, rows[:1], backend=flags.backend,
-                                         mesh=flags.mesh)
-            caches = (cache, draft_cache)
-        else:
-            caches = (cache,)
+        caches = (cache,) if draft_model is None else (cache, draft_model(
+            last, positions, caches[1], md, rows[:1], backend=flags.backend, mesh=flags.mesh)[1])
         pens = None if counts is None else (counts, penalties[1])
         tokens, logprob, rank, top_ids, top_lps = sampler.sample(
             logits, sp, num_output, pens, filters=flags.filters, num_logprobs=n, random=flags.random)
