@@ -32,8 +32,9 @@ class Tokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Llama 3's tokenizer.json adds BOS itself (its post-processor) when add_special_tokens.
-        `encode_batch` of one: unlike `encode` it releases the GIL, so a server's event loop keeps
-        running while a worker thread tokenizes a long prompt (4 MiB: tens of seconds)."""
+        `encode_batch` of one: unlike `encode`, which holds the GIL throughout, it releases it, so a
+        server's event loop and engine thread keep running while a worker thread tokenizes a long
+        prompt (4 MiB: 3.6 s on this machine)."""
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids, *, skip_special_tokens: bool = True) -> str:

@@ -35,7 +35,8 @@ GREEDY = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": Tr
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("limits")
-    s = Server(tmp, "--max-num-seqs", str(SEQS), "--max-waiting-requests", str(WAITING), "--num-blocks", "96",
+    # 160 blocks of 16 tokens: 8 full contexts of 256 tokens and their lookahead, so no stream is preempted.
+    s = Server(tmp, "--max-num-seqs", str(SEQS), "--max-waiting-requests", str(WAITING), "--num-blocks", "160",
                "--max-request-bytes", str(9 << 20))
     try:
         yield s.wait()
@@ -83,22 +84,19 @@ def test_past_the_waiting_limit_requests_get_503_with_retry_after_and_the_rest_c
             m[("vllm:kv_cache_usage_perc", None)]) == (0, 0, 0)
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(reason="measured on the loaded 2-core machine: the streams stop for 36 s of the 47 s "
-                          "tokenization (gaps 0.21 s before); the tokenizer alone leaves other threads "
-                          "free (0.57 s max gap standalone, decode alongside too): the stall is not found yet",
-                   strict=False)
 def test_streams_keep_flowing_while_a_4_mib_prompt_is_tokenized(server):
     """The 8 streams' chunk gaps, before and while the big prompt is tokenized (it is too long for the
-    context: a 400 once tokenized). On the event loop it would stop them for the whole tokenization."""
+    context: a 400 once tokenized). On the event loop, or holding the GIL, it would stop them for the
+    whole tokenization (seconds). The gaps measured are steps only: the pool holds 8 full contexts
+    (no preemption, whose recomputed prefills would compile), and a first round whose streams end one
+    after another compiles the decode programs of 8, 4, 2 and 1 rows that the measured round's ends
+    use. (Before both, the gaps this test saw were those compilations, slowed by the tokenizer's core.)"""
     big = {"prompt": "def add(a, b):\n    return a + b\n" * (4 << 20 >> 5), "max_tokens": 1}
-
     stream = {"prompt": PROMPT, "max_tokens": 230, "temperature": 0, "ignore_eos": True, "stream": True}
 
     async def session():
-        # A first round compiles what 8 such streams need (the server skips the warm-up): the
-        # measured round's gaps are steps, not compilations.
-        await asyncio.gather(*[raw_http.post(server.port, "/v1/completions", stream) for _ in range(8)])
+        await asyncio.gather(*[raw_http.post(server.port, "/v1/completions", {**stream, "max_tokens": 230 - 8 * i})
+                               for i in range(8)])
         times = [[] for _ in range(8)]
         streams = [asyncio.create_task(raw_http.post(server.port, "/v1/completions", stream, chunk_times=t))
                    for t in times]
@@ -110,17 +108,19 @@ def test_streams_keep_flowing_while_a_4_mib_prompt_is_tokenized(server):
 
     sent, answered, answer, streams = asyncio.run(session())
     assert answer.status == 400 and "maximum context length is 256 tokens" in answer.json()["error"]["message"]
-    before, during = [], []
+    steps, during = [], []  # decode steps before the big prompt (not the first chunk: a prefill), gaps meeting its time
     for s in streams:
         assert s.status == 200 and s.events()[-1] == "[DONE]"
-        for previous, t in zip(s.chunk_times, s.chunk_times[1:]):
-            (during if sent < t <= answered else before if t <= sent else []).append(t - previous)
-    longest = max((t - p, p - sent, i) for s in streams for i, (p, t) in enumerate(zip(s.chunk_times, s.chunk_times[1:])))
-    print(f"longest gap {longest[0]:.3f} s from {longest[1]:+.3f} s after the big prompt was sent, chunk {longest[2]}")
+        for i, (previous, t) in enumerate(zip(s.chunk_times, s.chunk_times[1:])):
+            if t <= sent:
+                steps += [t - previous] if i >= 1 else []
+            elif previous < answered:
+                during.append(t - previous)
     assert during, f"the streams ended before the big prompt was sent ({answered - sent:.1f} s to answer)"
-    print(f"chunk gaps: before the big prompt max {max(before):.3f} s, while it was tokenized "
-          f"({answered - sent:.1f} s) max {max(during):.3f} s")
-    assert max(during) < 2 * max(before) + 1.0
+    print(f"chunk gaps: decode steps before the big prompt max {max(steps):.3f} s; while it was tokenized "
+          f"({answered - sent:.1f} s) max {max(during):.3f} s over {len(during)} gaps")
+    # The tokenizer takes one of the two cores: a step may take twice as long, plus a margin.
+    assert max(during) < 2 * max(steps) + 1.0
 
 
 @pytest.mark.parametrize("body, param, message", [
