@@ -41,10 +41,16 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.graphdef, self.params = nnx.split(model)
         self.draft_graphdef, self.draft_params = nnx.split(draft_model) if draft_model is not None else (None, None)
+        # Every argument of a step committed to where it lives (nothing moves: the arrays are there):
+        # jit compiles a program per placement, committed or not, of its arguments.
+        self.placement = jax.sharding.SingleDeviceSharding(next(iter(jax.tree.leaves(self.params)[0].devices()))) \
+            if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        if mesh is None:
+            self.params, self.draft_params = jax.device_put((self.params, self.draft_params), self.placement)
         empty = np.zeros((c.max_num_seqs, 0))
         self.state = runner.DeviceState(cache=self._init_cache(model),
-                                        output_counts=self._replicate(empty.astype(np.int32)),
-                                        prompt_mask=self._replicate(empty.astype(bool)),
+                                        output_counts=self._place(empty.astype(np.int32)),
+                                        prompt_mask=self._place(empty.astype(bool)),
                                         draft_cache=None if draft_model is None else self._init_cache(draft_model))
         # Swapping and the host prefix cache: swap_space GiB of host blocks, each as large as a device
         # block (both models' K/V with a draft).
@@ -62,7 +68,7 @@ class ModelRunner:
         c = self.config
         kw = dict(layout=cache_layout(c.attention_backend), kv_cache_dtype=c.kv_cache_dtype)
         if self.mesh is None:
-            return model.init_cache(c.num_blocks, c.block_size, **kw)
+            return jax.device_put(model.init_cache(c.num_blocks, c.block_size, **kw), self.placement)
         # Made in place on the mesh: one device could not hold the whole cache.
         shape = jax.eval_shape(lambda: model.init_cache(c.num_blocks, c.block_size, **kw))
         return jax.jit(lambda: model.init_cache(c.num_blocks, c.block_size, **kw),
@@ -77,9 +83,9 @@ class ModelRunner:
                              host_prefix_cache_blocks_out=0, host_prefix_cache_blocks_in=0,
                              host_prefix_cache_bytes_out=0, host_prefix_cache_bytes_in=0)
 
-    def _replicate(self, x):
-        """The sampling state: one copy on every device of the mesh."""
-        return x if self.mesh is None else sharding.replicate(x, self.mesh)
+    def _place(self, tree):
+        """Arrays (host or device) on the device, or one copy on every device of the mesh."""
+        return jax.device_put(tree, self.placement) if self.mesh is None else sharding.replicate(tree, self.mesh)
 
     # -- one call ------------------------------------------------------------------------------
 
@@ -100,6 +106,7 @@ class ModelRunner:
             batch = batching.decode_batch(plan, max_num_seqs=c.max_num_seqs, max_blocks_per_seq=c.max_blocks_per_seq)
             if prev is None:
                 sp, sent = self._row_params(seqs, batch.slots.shape[0]), (batch,)
+                batch = self._place(batch)  # placed as continue_decode leaves it: one program for both
             else:
                 sp, sent = prev.sp, (batch.slots, batch.block_tables, batch.num_mapped)
                 batch = runner.continue_decode(prev.batch, prev.out, *sent)
@@ -221,8 +228,8 @@ class ModelRunner:
             return
         if self.state.output_counts.shape[1] == 0:
             shape = (self.config.max_num_seqs, self.vocab_size)
-            self.state = dataclasses.replace(self.state, output_counts=self._replicate(jnp.zeros(shape, jnp.int32)),
-                                             prompt_mask=self._replicate(jnp.zeros(shape, bool)))
+            self.state = dataclasses.replace(self.state, output_counts=self._place(jnp.zeros(shape, jnp.int32)),
+                                             prompt_mask=self._place(jnp.zeros(shape, bool)))
         width = batching.token_bucket(max(len(s.token_ids) for s in seqs), 1 << 30)
         rows = batching.bucket(len(seqs), self.config.max_num_seqs)
         slots = np.full(rows, -1, np.int32)

@@ -226,12 +226,12 @@ def test_streaming_steps_and_abort(model, overlapped):
 
 @contextlib.contextmanager
 def counting_compiles():
-    """-> a list that gets one entry per XLA compile while the block runs."""
+    """-> a list that gets one entry per XLA compile while the block runs: the jitted function's name."""
     compiles = []
 
     def listen(event, duration, **kwargs):
         if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
+            compiles.append(kwargs.get("fun_name", event))
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
@@ -260,6 +260,17 @@ def test_a_steady_workload_compiles_nothing_new(model):
         # these lengths), prefill steps per (rows, tokens) bucket, pool ops per free-list size, and
         # their helpers; a handful, and none after the warm-up.
         assert 0 < warm <= 24 and len(compiles) == warm
+
+
+def test_the_decode_loop_compiles_once_whether_its_batch_comes_from_the_host_or_the_device(model):
+    """Overlapped scheduling builds the next decode batch on the device (runner.continue_decode);
+    the first call of a run sends the host's. jit compiles a program per placement of its inputs,
+    so both are placed alike: one decode program per variant, not two."""
+    llm = make_llm(model, max_num_seqs=5)  # a row bucket of 8: shapes no other test compiled
+    with counting_compiles() as compiles:
+        out, = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 17 and llm.stats()["decode_calls"] == 2  # tables 4 blocks wide throughout
+    assert compiles.count("jit(decode_steps)") == 1, compiles
 
 
 def test_warm_up_compiles_what_short_requests_need_and_leaves_the_engine_clean(model):
