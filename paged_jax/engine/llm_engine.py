@@ -305,10 +305,11 @@ class LLMEngine:
         k["running_steps"] += steps * running
         k["max_num_running"] = max(k["max_num_running"], running if steps else 0)
 
-    def warm_up(self, prompt_len: int = 32) -> dict:
-        """Compile before traffic comes (engine/warm_up.py) and leave the engine as it was ->
-        {"programs": compiled or loaded, "cached": of those, loaded, "seconds": wall clock}."""
-        return warm_up.warm_up(self, prompt_len)
+    def warm_up(self, prompt_len: int = 32, *, workers: int | None = None) -> dict:
+        """Compile what short requests run, on `workers` threads, without running anything
+        (engine/warm_up.py; `warm_up.WarmUp` does it in the background) -> {"programs": compiled
+        or loaded, "cached": of those, loaded, "seconds": wall clock}."""
+        return warm_up.WarmUp(self, prompt_len, workers).start().wait()
 
     def reset_counters(self) -> None:
         """Every counter of the engine, its scheduler and its runner back to zero."""

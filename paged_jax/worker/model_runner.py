@@ -16,6 +16,16 @@ from paged_jax.sampling_params import SAMPLING_EPS
 from paged_jax.worker import batching, programs, runner, sampler, sharding, swap
 
 
+def _abstract(tree):
+    """ShapeDtypeStructs of a tree's arrays: a device array's with its placement, a host array's
+    without one (as jit sees it)."""
+    def leaf(x):
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
+    return jax.tree.map(leaf, tree)
+
+
 @dataclasses.dataclass
 class Call:
     """A dispatched device call whose output the host has not fetched yet."""
@@ -102,29 +112,59 @@ class ModelRunner:
         start = time.perf_counter()
         self.copy_blocks(plan.copies_first)
         if plan.is_decode:
-            seqs = [seq for seq, _ in plan.scheduled]
-            batch = batching.decode_batch(plan, max_num_seqs=c.max_num_seqs, max_blocks_per_seq=c.max_blocks_per_seq)
+            batch, sp, flags = self._decode_inputs(plan)
             if prev is None:
-                sp, sent = self._row_params(seqs, batch.slots.shape[0]), (batch,)
+                sent = (batch, sp)
                 batch = self._place(batch)  # placed as continue_decode leaves it: one program for both
             else:
                 sp, sent = prev.sp, (batch.slots, batch.block_tables, batch.num_mapped)
                 batch = runner.continue_decode(prev.batch, prev.out, *sent)
             self.state, out = runner.decode_steps(self.graphdef, self.params, self.state, batch, sp, self.draft_params,
-                                                  flags=self._flags(seqs), num_steps=c.num_decode_steps,
+                                                  flags=flags, num_steps=c.num_decode_steps,
                                                   draft_graphdef=self.draft_graphdef)
-            return Call(plan, out, batch, sp, start, copying, self._count_sent("decode_", sent, sp if prev is None else ()))
-        seqs = batching.prefill_rows(plan)
+            return Call(plan, out, batch, sp, start, copying, self._count_sent("decode_", sent))
         self._reset_penalty_rows([s for s, _ in plan.scheduled if s.slot in plan.admitted]
                                  + [child for child, _ in plan.forks])
+        batch, sp, flags = self._prefill_inputs(plan)
+        self.state, out = runner.prefill_step(self.graphdef, self.params, self.state, batch, sp,
+                                              self._load(plan, batch), self.draft_params,
+                                              flags=flags, draft_graphdef=self.draft_graphdef)
+        return Call(plan, out, batch, sp, start, copying, self._count_sent("", batch, sp))
+
+    def _decode_inputs(self, plan: Plan):
+        """(batch, sampling rows, flags) of a decode plan's call, on the host."""
+        c, seqs = self.config, [seq for seq, _ in plan.scheduled]
+        batch = batching.decode_batch(plan, max_num_seqs=c.max_num_seqs, max_blocks_per_seq=c.max_blocks_per_seq)
+        return batch, self._row_params(seqs, batch.slots.shape[0]), self._flags(seqs)
+
+    def _prefill_inputs(self, plan: Plan):
+        """(batch, sampling rows, flags) of a prefill plan's call, on the host."""
+        c, seqs = self.config, batching.prefill_rows(plan)
         batch = batching.prefill_batch(plan, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
                                        max_blocks_per_seq=c.max_blocks_per_seq, token_cap=c.max_num_batched_tokens,
                                        num_speculative_tokens=c.num_speculative_tokens)
         sp = self._row_params(seqs, batch.slots.shape[0])
-        self.state, out = runner.prefill_step(self.graphdef, self.params, self.state, batch, sp,
-                                              self._load(plan, batch), self.draft_params,
-                                              flags=self._prefill_flags(seqs, plan, batch), draft_graphdef=self.draft_graphdef)
-        return Call(plan, out, batch, sp, start, copying, self._count_sent("", (batch,), sp))
+        return batch, sp, self._prefill_flags(seqs, plan, batch)
+
+    def compile(self, plan: Plan) -> None:
+        """Compile the programs `dispatch` runs for `plan` without running them: its step, and after
+        a decode step the continuation that builds the next call's batch. The arguments are the
+        real ones' shapes and placements, so the step's later calls find the programs in jit's
+        cache. Any thread may compile while the engine runs (jit waits for a program another
+        thread is compiling); the plan must not swap, load or copy blocks (the warm-up's)."""
+        c = self.config
+        held = _abstract((self.params, self.state, self.draft_params))
+        if not plan.is_decode:
+            batch, sp, flags = self._prefill_inputs(plan)
+            runner.prefill_step.lower(self.graphdef, *held[:2], *_abstract((batch, sp)), None, held[2], flags=flags,
+                                      draft_graphdef=self.draft_graphdef).compile()
+            return
+        batch, sp, flags = self._decode_inputs(plan)
+        placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=self.placement), batch)
+        step = runner.decode_steps.lower(self.graphdef, *held[:2], placed, *_abstract((sp, held[2])), flags=flags,
+                                         num_steps=c.num_decode_steps, draft_graphdef=self.draft_graphdef).compile()
+        out = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), step.out_info[1])
+        runner.continue_decode.lower(placed, out, *_abstract((batch.slots, batch.block_tables, batch.num_mapped))).compile()
 
     def fetch(self, call: Call) -> ModelOutput:
         """Wait for the call and bring its output to the host."""

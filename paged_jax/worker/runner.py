@@ -214,7 +214,8 @@ def decode_steps(graphdef, params, state: DeviceState, batch: DecodeBatch, sp: s
     counts = penalties[0] if penalties is not None else None
     active = batch.live
     rows = jnp.arange(num_rows)
-    carry = (state.caches, counts, out, batch.last_tokens, active, batch.num_output, batch.total_len, jnp.array(0))
+    # The step count a strong i32 (not jnp.array(0)'s weak type): the warm-up compiles continue_decode for it.
+    carry = (state.caches, counts, out, batch.last_tokens, active, batch.num_output, batch.total_len, jnp.int32(0))
 
     def cond(carry):
         *_, out, _, active, _, _, step = carry

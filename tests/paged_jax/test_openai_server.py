@@ -61,6 +61,24 @@ class Server:
                 time.sleep(0.5)
         raise TimeoutError(self.output())
 
+    def wait_while_warming(self, timeout=300) -> tuple[dict, list]:
+        """Wait until /health is 200 while the warm-up runs in the background, one completion sent
+        at the first answer of /health -> (that first answer's status and JSON body, the completion's
+        (status, body))."""
+        deadline, first = time.monotonic() + timeout, None
+        while first is None:
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.output()
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    first = {"status": r.status}
+            except urllib.error.HTTPError as e:
+                first = {"status": e.code, "body": json.loads(e.read())}
+            except OSError:
+                time.sleep(0.1)
+        answer = self.post("/v1/completions", json.dumps({"prompt": "def f", "max_tokens": 3}).encode())
+        self.wait(timeout)
+        return first, answer
+
     def output(self):
         self.log.seek(0)
         return self.log.read()
@@ -98,7 +116,8 @@ def servers(tmp_path_factory):
                "--tool-call-parser", "hermes", *flags)
     b = Server(tmp, "--served-model-name", "tiny", "--max-num-seqs", "4", "--warmup-prompt-len", "8")
     try:
-        yield a.wait(), b.wait()
+        b.warming = b.wait_while_warming()
+        yield a.wait(), b
     finally:
         a.stop()
         b.stop()
@@ -444,6 +463,18 @@ def test_a_model_without_a_chat_template_gets_a_clear_400(servers, reference):
     assert status == 200 and body["prompt"] == reference.get_tokenizer().decode([5, 6])
     assert re.search(r"warm-up compiled [1-9][0-9]* programs \(0 read from the compilation cache\) in",
                      servers[1].output())
+
+
+def test_the_server_listens_and_serves_while_it_warms_up_and_health_says_so(servers):
+    """The warm-up compiles in the background: /health's first answer, as soon as the port
+    listened, is 503 with the warm-up's progress; a completion sent then is served (compiling what it
+    needs, or waiting for the warm-up's copy of it); /health turns 200 when the warm-up ends."""
+    first, (status, body) = servers[1].warming
+    assert first["status"] == 503, first
+    progress = first["body"]
+    assert progress["status"] == "warming up" and 0 <= progress["programs_compiled"] < progress["programs"], progress
+    assert status == 200 and body["usage"]["completion_tokens"] == 3
+    assert urllib.request.urlopen(servers[1].url + "/health").status == 200
 
 
 def test_metrics_count_what_llm_stats_counts(servers, reference):

@@ -124,7 +124,10 @@ async def _read_json(request: Request, limit: int, serving: Serving) -> dict:
 
 def build_app(llm: AsyncLLM, *, model_name: str, metrics: Metrics, api_key: str | None = None,
               max_request_bytes: int = MAX_REQUEST_BYTES, model_root: str | None = None,
-              tool_parser=None, enable_auto_tool_choice: bool = False) -> FastAPI:
+              tool_parser=None, enable_auto_tool_choice: bool = False, warm_up=None) -> FastAPI:
+    """`warm_up`: an engine.warm_up.WarmUp running in the background: /health is 503 (with its
+    progress) until it ends, while requests are served (compiling what they need if it is not
+    ready yet)."""
     app = FastAPI(title="paged-jax", version=paged_jax.__version__)
     serving = Serving(llm, model_name, tool_parser=tool_parser, enable_auto_tool_choice=enable_auto_tool_choice)
     engine = llm.engine
@@ -175,7 +178,12 @@ def build_app(llm: AsyncLLM, *, model_name: str, metrics: Metrics, api_key: str 
 
     @app.get("/health")
     async def health():
-        return Response(status_code=200 if llm.dead is None else 503)
+        if llm.dead is not None:
+            return Response(status_code=503)
+        if warm_up is not None and not warm_up.finished:
+            return JSONResponse({"status": "warming up", "programs_compiled": warm_up.done,
+                                 "programs": warm_up.total}, status_code=503)
+        return Response(status_code=200)
 
     @app.get("/version")
     async def version():

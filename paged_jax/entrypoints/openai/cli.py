@@ -5,7 +5,8 @@
 
 With several processes (jax.distributed, tensor parallelism over the devices of all of them), every
 process builds and warms up the same engine; process 0 serves HTTP (api_server.build_app) and the
-others follow its steps (paged_jax.entrypoints.step_broadcast).
+others follow its steps (paged_jax.entrypoints.step_broadcast). The warm-up compiles in the
+background: the server listens and serves at once, and /health answers 503 until it is done.
 """
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import importlib
 import os
 import signal
 import socket
+import threading
 from pathlib import Path
 
 from paged_jax.engine.arg_utils import EngineArgs
+from paged_jax.engine.warm_up import WarmUp
 from paged_jax.entrypoints import cli_args
 from paged_jax.entrypoints.async_llm import AsyncLLM
 from paged_jax.entrypoints.openai.api_server import MAX_REQUEST_BYTES, build_app
@@ -41,8 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--compilation-cache-dir", metavar="DIR", help="jax's persistent compilation cache")
     ap.add_argument("--no-compilation-cache", action="store_true")
     ap.add_argument("--warmup-prompt-len", type=int, default=32,
-                    help="compile, before serving, what up to max-num-seqs prompts of this length need "
-                         "(LLMEngine.warm_up; 0: compile on first use)")
+                    help="compile what up to max-num-seqs prompts of this length need, in the background "
+                         "while the server already serves; /health is 503 until it ends "
+                         "(engine/warm_up.py; 0: compile on first use)")
     ap.add_argument("--uvicorn-log-level", default="info")
     ap.add_argument("--enable-auto-tool-choice", action="store_true",
                     help='tool_choice "auto": the model decides, and --tool-call-parser reads its calls')
@@ -118,19 +122,36 @@ def _build(args, model: str):
             if tokenizer is None:
                 raise ValueError(f"--chat-template needs a tokenizer; {model} has no tokenizer.json")
             tokenizer.chat_template = Path(args.chat_template).read_text(encoding="utf-8")
-        if args.warmup_prompt_len:
-            c = llm.engine.config
-            done = llm.engine.warm_up(max(1, min(args.warmup_prompt_len, c.max_model_len - 2 * c.num_decode_steps - 1)))
-            print(f"paged-jax-serve: warm-up compiled {done['programs']} programs ({done['cached']} read from "
-                  f"the compilation cache) in {done['seconds']:.1f} s", flush=True)
     except (OSError, ValueError) as e:
         fail(str(e))
     return llm
 
 
+def _warm_up(args, engine) -> WarmUp | None:
+    """The warm-up's compilations started in the background (the server listens meanwhile and
+    /health answers 503 until they end), and a line when they end."""
+    if not args.warmup_prompt_len:
+        return None
+    c = engine.config
+    warming = WarmUp(engine, max(1, min(args.warmup_prompt_len, c.max_model_len - 2 * c.num_decode_steps - 1))).start()
+
+    def report():
+        try:
+            done = warming.wait()
+        except Exception as e:  # noqa: BLE001  the engine still compiles what it needs when it needs it
+            print(f"paged-jax-serve: warm-up failed, programs compile when first needed: {e!r}", flush=True)
+            return
+        print(f"paged-jax-serve: warm-up compiled {done['programs']} programs ({done['cached']} read from "
+              f"the compilation cache) in {done['seconds']:.1f} s", flush=True)
+
+    threading.Thread(target=report, name="paged-jax-warm-up-report", daemon=True).start()
+    return warming
+
+
 def _follow(args, engine) -> None:
     """A follower: no HTTP, process 0's steps replayed until it stops serving."""
     receiver = StepReceiver(args.num_processes, args.process_id, args.distributed_timeout)
+    _warm_up(args, engine)
     print(f"paged-jax-serve: process {args.process_id} of {args.num_processes} follows process 0's steps", flush=True)
     steps = follow(engine, receiver)
     print(f"paged-jax-serve: process {args.process_id} stopped with process 0 after {summary(engine, steps)}",
@@ -151,7 +172,7 @@ def _serve(args, llm, model: str) -> None:
     async_llm = AsyncLLM(llm.engine, on_step=metrics.on_step, followers=followers, max_requests=seqs + waiting)
     app = build_app(async_llm, model_name=name, metrics=metrics, api_key=args.api_key,
                     max_request_bytes=args.max_request_bytes, model_root=model, tool_parser=args.tool_call_parser,
-                    enable_auto_tool_choice=args.enable_auto_tool_choice)
+                    enable_auto_tool_choice=args.enable_auto_tool_choice, warm_up=_warm_up(args, llm.engine))
     print(f"paged-jax-serve: serving {name!r} on http://{args.host}:{args.port}", flush=True)
     # uvicorn stops gracefully on SIGINT or SIGTERM and then raises the signal again, under the
     # handlers it found: ignored, so that the shutdown below runs (a job's followers need its stop
