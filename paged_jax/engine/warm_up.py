@@ -110,6 +110,7 @@ class WarmUp:
         self._events: list[str] = []
         self._lock = threading.Lock()
         self._futures: list[concurrent.futures.Future] = []
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._start = 0.0
 
     @property
@@ -123,10 +124,13 @@ class WarmUp:
     def start(self) -> WarmUp:
         self._start = time.perf_counter()
         jax.monitoring.register_event_duration_secs_listener(self._listen)
-        pool = concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="paged-jax-warm-up")
-        self._futures = [pool.submit(self._compile, plan) for plan in self.plans]
-        pool.shutdown(wait=False)
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="paged-jax-warm-up")
+        self._futures = [self._pool.submit(self._compile, plan) for plan in self.plans]
         return self
+
+    def cancel(self) -> None:
+        """Drop the compilations not started (a server stopping mid-warm-up exits after the running ones)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _listen(self, event, duration, **kwargs):
         if event in (_COMPILED, _CACHED):
@@ -154,5 +158,6 @@ class WarmUp:
                 future.result()
         finally:
             jax.monitoring.unregister_event_duration_listener(self._listen)
+            self._pool.shutdown(wait=False)
         return {"programs": self._events.count(_COMPILED), "cached": self._events.count(_CACHED),
                 "seconds": time.perf_counter() - self._start}

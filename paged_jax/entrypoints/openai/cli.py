@@ -11,6 +11,7 @@ background: the server listens and serves at once, and /health answers 503 until
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import importlib
 import os
 import signal
@@ -138,6 +139,8 @@ def _warm_up(args, engine) -> WarmUp | None:
     def report():
         try:
             done = warming.wait()
+        except concurrent.futures.CancelledError:  # the server stopped first
+            return
         except Exception as e:  # noqa: BLE001  the engine still compiles what it needs when it needs it
             print(f"paged-jax-serve: warm-up failed, programs compile when first needed: {e!r}", flush=True)
             return
@@ -151,9 +154,13 @@ def _warm_up(args, engine) -> WarmUp | None:
 def _follow(args, engine) -> None:
     """A follower: no HTTP, process 0's steps replayed until it stops serving."""
     receiver = StepReceiver(args.num_processes, args.process_id, args.distributed_timeout)
-    _warm_up(args, engine)
+    warming = _warm_up(args, engine)
     print(f"paged-jax-serve: process {args.process_id} of {args.num_processes} follows process 0's steps", flush=True)
-    steps = follow(engine, receiver)
+    try:
+        steps = follow(engine, receiver)
+    finally:
+        if warming is not None:
+            warming.cancel()
     print(f"paged-jax-serve: process {args.process_id} stopped with process 0 after {summary(engine, steps)}",
           flush=True)
 
@@ -170,9 +177,10 @@ def _serve(args, llm, model: str) -> None:
     seqs = llm.engine.config.max_num_seqs
     waiting = 4 * seqs if args.max_waiting_requests is None else args.max_waiting_requests
     async_llm = AsyncLLM(llm.engine, on_step=metrics.on_step, followers=followers, max_requests=seqs + waiting)
+    warming = _warm_up(args, llm.engine)
     app = build_app(async_llm, model_name=name, metrics=metrics, api_key=args.api_key,
                     max_request_bytes=args.max_request_bytes, model_root=model, tool_parser=args.tool_call_parser,
-                    enable_auto_tool_choice=args.enable_auto_tool_choice, warm_up=_warm_up(args, llm.engine))
+                    enable_auto_tool_choice=args.enable_auto_tool_choice, warm_up=warming)
     print(f"paged-jax-serve: serving {name!r} on http://{args.host}:{args.port}", flush=True)
     # uvicorn stops gracefully on SIGINT or SIGTERM and then raises the signal again, under the
     # handlers it found: ignored, so that the shutdown below runs (a job's followers need its stop
@@ -183,6 +191,8 @@ def _serve(args, llm, model: str) -> None:
     finally:
         for sig, handler in found.items():
             signal.signal(sig, handler)
+        if warming is not None:
+            warming.cancel()
         async_llm.shutdown()
         if followers is not None:
             print(f"paged-jax-serve: process 0 stopped its followers after {summary(llm.engine, followers.steps)}",
