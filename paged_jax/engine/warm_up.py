@@ -31,8 +31,13 @@ _COMPILED = "/jax/core/compile/backend_compile_duration"
 _CACHED = "/jax/compilation_cache/cache_retrieval_time_sec"
 
 
+def max_prompt_len(config) -> int:
+    """The longest warm-up prompt: max_model_len leaves room for its two decode calls."""
+    return config.max_model_len - 2 * config.num_decode_steps - 1
+
+
 def check_prompt_len(config, prompt_len: int) -> None:
-    room = config.max_model_len - 2 * config.num_decode_steps - 1
+    room = max_prompt_len(config)
     if not 1 <= prompt_len <= room:
         raise ValueError(f"prompt_len={prompt_len} must be in [1, {room}] (max_model_len="
                          f"{config.max_model_len} leaves room for two decode calls)")
@@ -67,7 +72,7 @@ def plans(config, prompt_len: int) -> dict[tuple, Plan]:
     """The warm-up's plans, one per program (keyed by what selects it), batch-1 ones first: the
     programs a first short request needs."""
     check_prompt_len(config, prompt_len)
-    room, steps = config.max_model_len - 2 * config.num_decode_steps - 1, config.num_decode_steps
+    room, steps = max_prompt_len(config), config.num_decode_steps
     rows = sorted({min(1 << i, config.max_num_seqs) for i in range(config.max_num_seqs.bit_length() + 1)})
     out: dict[tuple, Plan] = {}
 

@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 
 from paged_jax.engine.arg_utils import EngineArgs
-from paged_jax.engine.warm_up import WarmUp
+from paged_jax.engine.warm_up import WarmUp, max_prompt_len
 from paged_jax.entrypoints import cli_args
 from paged_jax.entrypoints.async_llm import AsyncLLM
 from paged_jax.entrypoints.openai.api_server import MAX_REQUEST_BYTES, build_app
@@ -133,8 +133,7 @@ def _warm_up(args, engine) -> WarmUp | None:
     /health answers 503 until they end), and a line when they end."""
     if not args.warmup_prompt_len:
         return None
-    c = engine.config
-    warming = WarmUp(engine, max(1, min(args.warmup_prompt_len, c.max_model_len - 2 * c.num_decode_steps - 1))).start()
+    warming = WarmUp(engine, max(1, min(args.warmup_prompt_len, max_prompt_len(engine.config)))).start()
 
     def report():
         try:
