@@ -42,6 +42,9 @@ class Plan:
     # A row's next token waits for the host (Request.one_step_per_call: beam search): the call runs
     # one step for it, and the engine processes its output before the next call is planned.
     one_step: bool = False
+    # Overlapped scheduling: the rows' computed tokens and PENDING sampled ones were applied when
+    # the next call was planned (Scheduler.schedule_next); processing the output fills the rest.
+    advanced: bool = False
 
     @property
     def host_loads(self) -> list[tuple[int, list[int], int]]:

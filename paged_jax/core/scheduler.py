@@ -20,7 +20,7 @@ from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.model_output import ModelOutput
 from paged_jax.core.plan import Plan
 from paged_jax.core.prefix_cache import PrefixCache, extend_block_hashes
-from paged_jax.core.sequence import Sequence, Status
+from paged_jax.core.sequence import PENDING, Sequence, Status
 
 
 class Scheduler:
@@ -34,7 +34,6 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = block_size
-        self.num_blocks = num_blocks
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.sliding_window = sliding_window
         self.prefix_cache = prefix_cache or PrefixCache(enabled=False)
@@ -43,8 +42,7 @@ class Scheduler:
         self.free_slot_ids = list(range(max_num_seqs))  # a heap: the lowest free slot first
         self.host = HostMemory(host_pool, swap_preemption=swap_preemption, tier=host_tier, block_size=block_size)
         self.num_decode_steps = num_decode_steps
-        self.num_preemptions = 0
-        self.num_recomputed_tokens = 0  # tokens computed again after a recompute preemption
+        self.num_preemptions = self.num_recomputed_tokens = 0  # the latter: computed again after a recompute preemption
         self.kv_manager = KVCacheManager(num_blocks, block_size, max_num_seqs, max_blocks_per_seq,
                                          prefix_cache=self.prefix_cache, host=self.host, sliding_window=sliding_window)
         self._copies_pending: list[tuple[int, int]] = []  # tail-block copies of forks made between steps
@@ -63,23 +61,28 @@ class Scheduler:
         extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.request.cache_salt)
         self.waiting.append(seq)
 
-    def finish(self, seq: Sequence, status: Status) -> None:
-        """End a sequence (and its unforked children); its blocks go back to the pool at once."""
-        for s in [seq, *seq.children]:
-            if s.finished:
-                continue
+    def finish(self, seqs: list[Sequence], status: Status) -> None:
+        """End the sequences (and their unforked children); their blocks go back to the pool at once,
+        in one pool operation, each sequence's in turn."""
+        ending = []
+        for seq in seqs:
+            ending += [s for s in [seq, *seq.children] if not s.finished]
+            seq.children = []
+        if not ending:
+            return
+        for s in ending:
             s.status = status
-            if s in self.running:
-                self.running.remove(s)
-            if s in self.waiting:
-                self.waiting.remove(s)
             self.host.release(s)
-            self._release_slot(s)
-        seq.children = []
+        self.running = [s for s in self.running if not s.finished]
+        if any(s.finished for s in self.waiting):
+            self.waiting = collections.deque(s for s in self.waiting if not s.finished)
+        self._release_slots(ending)
 
-    def _release_slot(self, seq: Sequence) -> None:
-        if seq.slot >= 0:
-            self.kv_manager.free([seq.slot])
+    def _release_slots(self, seqs: list[Sequence]) -> None:
+        held = [seq for seq in seqs if seq.slot >= 0]
+        if held:
+            self.kv_manager.free([seq.slot for seq in held])
+        for seq in held:
             heapq.heappush(self.free_slot_ids, seq.slot)
             seq.slot = -1
 
@@ -89,40 +92,15 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def schedule_continuation(self, prev: Plan) -> Plan | None:
-        """Overlapped scheduling (vLLM's async scheduling): the next decode call of `prev`'s rows,
-        planned while `prev` runs, before its output is known. A row of `prev` either finishes or
-        runs to the end of its reservation, so a row that does not finish starts this call with
-        exactly the tokens its table mapped; one that finishes is found when `prev`'s output is
-        processed, and what this call gave it is discarded. None when the next step is planned from
-        `prev`'s output: requests wait, a row waits for the host (`Plan.one_step`), forks made
-        between steps wait for their copies, or a row could not get a block for one more token."""
-        if not prev.is_decode or prev.one_step or self.waiting or self._copies_pending:
-            return None
-        kv = self.kv_manager
-        rows = [(seq, kv.num_mapped(seq.slot)) for seq, _ in prev.scheduled if not seq.finished]
-        for seq, mapped in rows:  # `prev` reads them before this call, which may reuse them, runs
-            kv.remove_skipped_blocks(seq, mapped)
-        steps = self.num_decode_steps  # a row's outputs when this call starts: num_output + mapped - num_computed
-        rows = [(seq, m, seq.num_output + m - seq.num_computed) for seq, m in rows]
-        rows = [row for row in rows if kv.lookahead_len(*row, steps) > row[1]]
-        if not rows:
-            return None
-        seqs, computed, outputs = (list(column) for column in zip(*rows))
-        if not kv.reserve_lookahead(seqs, computed, outputs, steps):
-            return None
-        plan = Plan(scheduled=list(prev.scheduled), is_decode=True)
-        plan.tier_out = self.host.take_tier_out()
-        self._set_tables(plan)
-        return plan
-
-    def schedule(self, drafts: dict[Sequence, list[int]] | None = None) -> Plan:
+    def schedule(self, drafts: dict[Sequence, list[int]] | None = None, *, overlapped: bool = False) -> Plan | None:
         """Plan the next step and apply its pool operations: vLLM's two passes. `drafts`:
         speculative proposals of decoding rows, scheduled after their last sampled token (as far as
         the token budget allows) and verified by the call; blocks are mapped for them like any
         token, and only the verified ones count as computed (`update_from_output`), so a rejected
         tail is rolled back by the row's length alone: its blocks stay mapped and the row's next
-        call, which always reaches further, writes over them (vLLM keeps them too)."""
+        call, which always reaches further, writes over them (vLLM keeps them too). `overlapped`
+        (AsyncScheduler.schedule_next): None, changing nothing, where it would preempt or schedule
+        nothing."""
         plan, self._copies_pending = Plan(copies_first=self._copies_pending), []
         drafts = drafts or {}
         budget, kv = self.max_num_batched_tokens, self.kv_manager
@@ -143,11 +121,12 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
+            if overlapped and need + pending > kv.num_free:
+                return None
             while need + pending > kv.num_free and self.running:
                 victim = self.running.pop()
                 victim.host_blocks = self.host.swap_out(victim, kv, plan.swap_out, sliding_window=self.sliding_window)
-                for s in [victim, *victim.children]:
-                    self._release_slot(s)
+                self._release_slots([victim, *victim.children])
                 if not victim.host_blocks:  # recompute: its KV is dropped
                     victim.num_lost, victim.num_computed = victim.num_computed, 0
                 victim.status, victim.num_cached_blocks = Status.WAITING, 0
@@ -206,6 +185,8 @@ class Scheduler:
             plan.scheduled.append((seq, n))
             self.running.append(seq)
 
+        if overlapped and not plan.scheduled:  # blocks the call before frees may be what is missing
+            return None
         kv.grow([seq for seq, _, _ in grows], [target for _, _, target in grows])
         for seq, n, _ in grows:
             self._fork_children(seq, n, plan)
@@ -280,18 +261,22 @@ class Scheduler:
         sampled tokens appended, device stops (stop token, length), and the newly full blocks
         entered in the prefix cache -> (seq, output row, new tokens) of each sequence that received
         tokens (finished ones included)."""
-        rows = [(seq, n) for seq, n in plan.scheduled]
         for child, parent in plan.forks:
             child.status = Status.RUNNING
             self.running.append(child)
             parent.children = []
-        progressed = []
-        for row, (seq, n) in enumerate(rows + [(child, None) for child, _ in plan.forks]):
-            if seq.finished:  # finished while this overlapped call ran: what it sampled is discarded
+        progressed, ends = [], {1: [], 2: []}
+        for row, (seq, n) in enumerate(plan.scheduled + [(child, None) for child, _ in plan.forks]):
+            # Ended at max_tokens when the next call was planned (AsyncScheduler): its last token is here.
+            ended = seq.finished and plan.advanced and seq.token_ids[-1] == PENDING
+            if seq.finished and not ended:  # finished while this call ran: what it sampled is discarded
                 continue
             taken = int(np.sum(output.tokens[row] >= 0))
             if n is None:  # a forked child: the parent's computed prompt
                 seq.num_computed = seq.num_tokens
+            elif plan.advanced:  # applied when the next call was planned (AsyncScheduler)
+                if taken:
+                    seq.token_ids.pop()  # PENDING
             else:  # a decoding row's cache holds its last token and the drafts it accepted
                 seq.num_computed += taken if plan.is_decode or seq in plan.drafts else n
             seq.token_ids += output.tokens[row, :taken].tolist()
@@ -303,10 +288,12 @@ class Scheduler:
                 continue
             progressed.append((seq, row, taken))
             code = int(output.finish[row])
-            if code == 1:
-                if seq.token_ids[-1] in seq.request.params.stop_token_ids:
-                    seq.stop_reason = seq.token_ids[-1]
-                self.finish(seq, Status.FINISHED_STOPPED)
-            elif code == 2:
-                self.finish(seq, Status.FINISHED_LENGTH)
+            if code == 1 and seq.token_ids[-1] in seq.request.params.stop_token_ids:
+                seq.stop_reason = seq.token_ids[-1]
+            if code == 1 and ended:
+                seq.status = Status.FINISHED_STOPPED
+            elif code:
+                ends[code].append(seq)
+        self.finish(ends[1], Status.FINISHED_STOPPED)
+        self.finish(ends[2], Status.FINISHED_LENGTH)
         return progressed

@@ -10,6 +10,11 @@ import numpy as np
 from paged_jax.sampling_params import SamplingParams
 
 
+# A token an overlapped call's predecessor samples, not yet known on the host (the device reads it
+# from the predecessor's output; Scheduler.schedule_next).
+PENDING = -1
+
+
 class Status(enum.IntEnum):
     WAITING = 0
     RUNNING = 1

@@ -172,7 +172,7 @@ def _step(engine, search: _Search, params: BeamSearchParams) -> None:
     parents = {id(beam) for _, beam, *_ in kept}
     for beam in search.beams:
         if id(beam) not in parents:
-            scheduler.finish(beam.seq, Status.FINISHED_LENGTH)
+            scheduler.finish([beam.seq], Status.FINISHED_LENGTH)
     beams, tokens = [], {id(beam): beam.seq.token_ids[:-1] for beam in search.beams}
     for _, parent, token, entry, cum in kept:
         if any(b.seq is parent.seq for b in beams):  # another continuation of a kept beam: a fork

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import itertools
 import time
-from pathlib import Path
 
 import numpy as np
 
+from paged_jax.core.async_scheduler import AsyncScheduler
 from paged_jax.core.host_pool import HostBlockPool
 from paged_jax.core.prefix_cache import PrefixCache
 from paged_jax.core.scheduler import Scheduler
@@ -21,14 +21,11 @@ from paged_jax.engine import config as config_lib
 from paged_jax.engine import speculative, warm_up
 from paged_jax.engine.arg_utils import EngineArgs
 from paged_jax.engine.output_processor import OutputProcessor
+from paged_jax.engine.processor import InputProcessor
 from paged_jax.engine.outputs import RequestOutput
 from paged_jax.engine.structured_outputs import StructuredOutputManager
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker import model_runner, sharding
-
-
-# Text a draft's tokenizer must encode as the target's: words, digits, punctuation, accents, an emoji.
-VOCABULARY_PROBE = "The quick brown fox, 42 times:\n\tdef naïve_café(x): return {'☕': x * 3.14}"
 
 
 class LLMEngine:
@@ -45,17 +42,12 @@ class LLMEngine:
             raise ValueError(f"pass engine_args or keyword arguments, not both (got {sorted(kwargs)})")
         args = self.engine_args = engine_args or EngineArgs(**kwargs)
         mesh = args.create_mesh(mesh)
-        draft, draft_tokenizer = self._draft_model(args)
+        draft, draft_tokenizer = speculative.load_draft_model(args.speculative_config, dtype=args.dtype)
         if mesh is not None:
             model = sharding.shard_model(model, mesh)
             draft = draft and sharding.shard_model(draft, mesh)
         self.config = args.create_engine_config(model, mesh, draft)
-        if tokenizer is not None and draft_tokenizer is not None:  # the same size may be another vocabulary
-            ours, theirs = tokenizer.encode(VOCABULARY_PROBE), draft_tokenizer.encode(VOCABULARY_PROBE)
-            if ours != theirs:
-                raise ValueError(f"speculative_config draft model {args.speculative_config.model} has another "
-                                 f"vocabulary: it encodes {VOCABULARY_PROBE!r} as {theirs[:12]}..., the target "
-                                 f"as {ours[:12]}...")
+        speculative.check_draft_vocabulary(args.speculative_config, tokenizer, draft_tokenizer)
         self.mesh = mesh
         self.model_config = model.config
         self.tokenizer = tokenizer
@@ -68,10 +60,16 @@ class LLMEngine:
         self.eos_token_ids = tuple(int(t) for t in eos)
         self.model_runner = model_runner.ModelRunner(model, c, mesh=mesh, eos_token_ids=self.eos_token_ids,
                                                      draft_model=draft)
+        self.processor = InputProcessor(c, tokenizer, model.config.vocab_size, getattr(model.config, "kv_window", None))
         self.structured_outputs = StructuredOutputManager(tokenizer, model.config.vocab_size)
         self.model_runner.bitmask = self.structured_outputs.bitmask
         self.prefix_cache = PrefixCache(enabled=c.enable_prefix_caching)
-        self.scheduler = Scheduler(
+        # Speculative decoding: proposals need the latest tokens, so its calls are planned serially.
+        self.speculator = (speculative.Speculator(args.speculative_config, c.max_model_len, max_num_seqs=c.max_num_seqs,
+                                                  max_num_batched_tokens=c.max_num_batched_tokens)
+                           if args.speculative_config else None)
+        self.async_scheduling = args.async_scheduling and self.speculator is None
+        self.scheduler = (AsyncScheduler if self.async_scheduling else Scheduler)(
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             block_size=c.block_size, num_blocks=c.num_blocks, max_blocks_per_seq=c.max_blocks_per_seq,
             long_prefill_token_threshold=c.long_prefill_token_threshold, prefix_cache=self.prefix_cache,
@@ -79,32 +77,11 @@ class LLMEngine:
             host_pool=HostBlockPool(self.model_runner.num_host_blocks) if c.uses_host_memory else None,
             swap_preemption=c.preemption_mode == "swap", host_tier=c.enable_host_prefix_cache,
             num_decode_steps=c.num_decode_steps)
-        # Speculative decoding: proposals need the latest tokens, so its calls are planned serially.
-        self.speculator = (speculative.Speculator(args.speculative_config, c.max_model_len, max_num_seqs=c.max_num_seqs,
-                                                  max_num_batched_tokens=c.max_num_batched_tokens)
-                           if args.speculative_config else None)
-        self.async_scheduling = args.async_scheduling and self.speculator is None
-        self._in_flight: model_runner.Call | None = None  # a decode call dispatched, not yet processed
+        self._in_flight: model_runner.Call | None = None  # a call dispatched, not yet processed
         self.requests: dict[str, Request] = {}
         self._finished_outside_step: set[str] = set()  # rejected or aborted: reported by the next step
         self.seed = args.seed
         self._reset_counters()
-
-    @staticmethod
-    def _draft_model(args: EngineArgs):
-        """Speculative decoding's draft model and its tokenizer (loaded if given as a path, in
-        `dtype` if one is given), or Nones."""
-        spec = args.speculative_config
-        if spec is None or spec.method != "draft_model":
-            return None, None
-        if isinstance(spec.model, (str, Path)):
-            from paged_jax.entrypoints.llm import load_model  # the entry point imports this module
-
-            return load_model(spec.model, dtype=args.dtype)
-        if not hasattr(spec.model, "init_cache"):
-            raise ValueError(f"speculative_config \"model\" must be a checkpoint directory, a GGUF file or a "
-                             f"paged_jax model, got {type(spec.model).__name__}")
-        return spec.model, None
 
     @classmethod
     def from_engine_args(cls, model, tokenizer, engine_args: EngineArgs, mesh=None) -> LLMEngine:
@@ -163,38 +140,11 @@ class LLMEngine:
 
     def tokenize_prompt(self, prompt):
         """(text or None, token ids) of a prompt; ValueError naming what is wrong with it."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass token ids or a model with tokenizer.json")
-            ids = self.tokenizer.encode(prompt)
-            text = prompt
-        else:
-            ids, text = [int(t) for t in prompt], None
-        if not ids:
-            raise ValueError(f"the prompt is empty: {prompt!r}")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:8]} are outside [0, {vocab})")
-        return text, ids
+        return self.processor.tokenize_prompt(prompt)
 
     def unservable(self, prompt_token_ids, params: SamplingParams) -> str | None:
-        """Why this engine can never serve the request, or None. Reads only the configuration, so a
-        server's request thread may ask before queueing (the request finishes with this error if
-        queued anyway)."""
-        c, n = self.config, len(prompt_token_ids)
-        if n >= c.max_model_len:
-            return f"the prompt has {n} tokens, max_model_len is {c.max_model_len} (one more is needed for output)"
-        longest = min(c.max_model_len, n + (params.max_tokens or c.max_model_len))
-        chunk = min(n, c.max_num_batched_tokens, c.long_prefill_token_threshold or n)
-        step = max(chunk, c.num_decode_steps, c.num_speculative_tokens + 1)
-        need = (config_lib.blocks_per_seq(longest, c.block_size, self.scheduler.sliding_window, step)
-                + (params.n - 1) * int(n % c.block_size != 0))
-        if need > c.num_blocks - 1:
-            return f"the request may need {need} blocks, the KV cache holds {c.num_blocks - 1}"
-        if params.n > c.max_num_seqs:
-            return f"n={params.n} samples exceed max_num_seqs={c.max_num_seqs}"
-        return None
+        """Why this engine can never serve the request, or None (engine/processor.py)."""
+        return self.processor.unservable(prompt_token_ids, params)
 
     def abort_request(self, request_ids) -> None:
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
@@ -202,8 +152,7 @@ class LLMEngine:
             if request is None or request.finished:
                 continue
             self.structured_outputs.abort(request_id)
-            for seq in request.seqs:
-                self.scheduler.finish(seq, Status.FINISHED_ABORTED)
+            self.scheduler.finish(request.seqs, Status.FINISHED_ABORTED)
             request.finish_time = time.monotonic()
             self._finished_outside_step.add(request_id)
 
@@ -227,12 +176,13 @@ class LLMEngine:
                 touched.add(request.request_id)
             else:
                 self._schedule(request)
-        if call is not None:  # overlapped: dispatch the next decode call, then process this one
-            after = self.scheduler.schedule_continuation(call.plan)
+        if call is not None:  # overlapped: dispatch the next call, then process this one
+            after = self.scheduler.schedule_next(call.plan)
             if after is not None:
                 self._count_plan(after)
                 self.counters["overlapped_calls"] += 1
-                self._in_flight = self.model_runner.dispatch(after, prev=call)
+                continues = call.plan.is_decode and after.is_decode  # its batch is built on the device
+                self._in_flight = self.model_runner.dispatch(after, prev=call if continues else None)
         elif self.scheduler.has_work:
             drafts = self.speculator.propose(self.scheduler.running) if self.speculator else None
             plan = self.scheduler.schedule(drafts)
@@ -240,9 +190,8 @@ class LLMEngine:
                 self.speculator.limit_decode(plan)
             self._count_plan(plan)
             call = self.model_runner.dispatch(plan)
-            if plan.is_decode and self.async_scheduling and not plan.one_step:  # processed next step
-                self._in_flight = call
-                call = None
+            if self.async_scheduling and not plan.one_step:  # processed next step
+                self._in_flight, call = call, None
         if call is not None:
             touched |= self._process(call)
         self.counters["busy_seconds"] += time.perf_counter() - start
@@ -265,10 +214,8 @@ class LLMEngine:
         if plan.drafts:
             self._record_acceptance(plan, output)
         complete, refused = self.structured_outputs.advance(progressed)
-        for seq in stopped + complete:
-            self.scheduler.finish(seq, Status.FINISHED_STOPPED)
-        for seq in refused:
-            self.scheduler.finish(seq, Status.FINISHED_ERROR)
+        self.scheduler.finish(stopped + complete, Status.FINISHED_STOPPED)
+        self.scheduler.finish(refused, Status.FINISHED_ERROR)
         self.counters["generation_tokens"] += num_new
         self._count_steps(plan, int(output.steps))
         return {seq.request.request_id for seq, _, _ in progressed}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -35,6 +36,8 @@ MIN_EXPECTED_PER_ROW = 0.5  # expected accepted drafts per running row for a cal
 COST_WEIGHT = 0.2  # how much one timed call moves the running cost of its kind
 PROBE_STEPS = 2  # decode steps of a call while speculating rows look for a match
 RESERVED_DRAFT = 0  # stands in the plan for a draft model's proposal, which the device writes
+# Text a draft's tokenizer must encode as the target's: words, digits, punctuation, accents, an emoji.
+VOCABULARY_PROBE = "The quick brown fox, 42 times:\n\tdef naïve_café(x): return {'☕': x * 3.14}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,3 +259,30 @@ class Speculator:
                     spec_decode_acceptance_rate=accepted / max(tokens, 1),
                     # tokens each verification gave a row: its accepted drafts and the one sampled after
                     spec_decode_mean_accepted_length=1 + accepted / max(drafts, 1))
+
+
+def load_draft_model(spec, *, dtype=None):
+    """The draft model of a "draft_model" `spec` (a SpeculativeConfig) and its tokenizer (loaded in
+    `dtype` if given as a path; None for a model object), or Nones; ValueError when it is not a
+    model."""
+    if spec is None or spec.method != "draft_model":
+        return None, None
+    if isinstance(spec.model, (str, Path)):
+        from paged_jax.entrypoints.llm import load_model  # the entry point imports the engine
+
+        return load_model(spec.model, dtype=dtype)
+    if not hasattr(spec.model, "init_cache"):
+        raise ValueError(f"speculative_config \"model\" must be a checkpoint directory, a GGUF file or a "
+                         f"paged_jax model, got {type(spec.model).__name__}")
+    return spec.model, None
+
+
+def check_draft_vocabulary(spec, tokenizer, draft_tokenizer) -> None:
+    """ValueError when the draft's tokenizer encodes text other than the target's does (the same
+    vocabulary size may be another vocabulary)."""
+    if tokenizer is None or draft_tokenizer is None:
+        return
+    ours, theirs = tokenizer.encode(VOCABULARY_PROBE), draft_tokenizer.encode(VOCABULARY_PROBE)
+    if ours != theirs:
+        raise ValueError(f"speculative_config draft model {spec.model} has another vocabulary: it encodes "
+                         f"{VOCABULARY_PROBE!r} as {theirs[:12]}..., the target as {ours[:12]}...")

@@ -115,12 +115,8 @@ def run_timed(engine, program, runs: int = 5):
         return jax.tree.map(lambda v, a: jax.device_put(np.asarray(v), a.sharding), value, abstract)
 
     values = program.values or (None,) * len(program.args)
-    args = [a if isinstance(a, runner.DeviceState) else put(v, a) if v is not None else jax.tree.map(zeros, a)
+    args = [put(v, a) if v is not None and not isinstance(a, runner.DeviceState) else jax.tree.map(zeros, a)
             for a, v in zip(program.args, values)]
-    for i, a in enumerate(args):
-        if isinstance(a, runner.DeviceState):
-            args[i] = runner.DeviceState(cache=jax.tree.map(zeros, a.cache), output_counts=zeros(a.output_counts),
-                                         prompt_mask=zeros(a.prompt_mask))
     state_at = next((i for i, a in enumerate(args) if isinstance(a, runner.DeviceState)), None)
     times = []
     for _ in range(runs + 1):

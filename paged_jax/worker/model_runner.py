@@ -34,7 +34,7 @@ class Call:
     out: ModelOutput  # device arrays
     batch: object  # the batch as the call read it (a continuation builds on it)
     sp: sampler.SlotParams
-    start: float  # perf_counter at dispatch
+    start: float  # perf_counter when the step's jitted call began (its inputs built)
     copying: object  # device -> host copies in flight (`_start_copy_out`)
     kind: str  # "decode_" or "": the counters it adds to
 
@@ -61,6 +61,7 @@ class ModelRunner:
         self.state = runner.DeviceState(cache=self._init_cache(model),
                                         output_counts=self._place(empty.astype(np.int32)),
                                         prompt_mask=self._place(empty.astype(bool)),
+                                        last_sampled=self._place(np.zeros(c.max_num_seqs, np.int32)),
                                         draft_cache=None if draft_model is None else self._init_cache(draft_model))
         # Swapping and the host prefix cache: swap_space GiB of host blocks, each as large as a device
         # block (both models' K/V with a draft).
@@ -109,10 +110,10 @@ class ModelRunner:
         same order, resume on the device from its output."""
         c = self.config
         copying = self._start_copy_out(plan)
-        start = time.perf_counter()
         self.copy_blocks(plan.copies_first)
         if plan.is_decode:
             batch, sp, flags = self._decode_inputs(plan)
+            start = time.perf_counter()  # the host's inputs are built: from here on it is the device's call
             if prev is None:
                 sent = (batch, sp)
                 batch = self._place(batch)  # placed as continue_decode leaves it: one program for both
@@ -126,9 +127,10 @@ class ModelRunner:
         self._reset_penalty_rows([s for s, _ in plan.scheduled if s.slot in plan.admitted]
                                  + [child for child, _ in plan.forks])
         batch, sp, flags = self._prefill_inputs(plan)
-        self.state, out = runner.prefill_step(self.graphdef, self.params, self.state, batch, sp,
-                                              self._load(plan, batch), self.draft_params,
-                                              flags=flags, draft_graphdef=self.draft_graphdef)
+        loads = self._load(plan, batch)
+        start = time.perf_counter()
+        self.state, out = runner.prefill_step(self.graphdef, self.params, self.state, batch, sp, loads,
+                                              self.draft_params, flags=flags, draft_graphdef=self.draft_graphdef)
         return Call(plan, out, batch, sp, start, copying, self._count_sent("", batch, sp))
 
     def _decode_inputs(self, plan: Plan):

@@ -43,7 +43,8 @@ def abstract_state(model, sizing: Sizing) -> runner.DeviceState:
     cache = jax.eval_shape(lambda: model.init_cache(s.num_blocks, s.block_size, layout=cache_layout(s.attention_backend),
                                                     kv_cache_dtype=s.kv_cache_dtype))
     return runner.DeviceState(cache=cache, output_counts=jax.ShapeDtypeStruct((s.max_num_seqs, 0), jnp.int32),
-                              prompt_mask=jax.ShapeDtypeStruct((s.max_num_seqs, 0), bool))
+                              prompt_mask=jax.ShapeDtypeStruct((s.max_num_seqs, 0), bool),
+                              last_sampled=_i32(s.max_num_seqs))
 
 
 def _i32(*shape):

@@ -28,8 +28,7 @@ from jax.sharding import Mesh
 
 from paged_jax.attention import AttentionMetadata, KVCache, copy_blocks
 from paged_jax.core.model_output import ModelOutput, PromptLogprobs
-from paged_jax.sampling_params import SAMPLING_EPS
-from paged_jax.worker import rejection_sampler, sampler, swap
+from paged_jax.worker import draft_proposer, rejection_sampler, sampler, swap
 from paged_jax.worker.batching import DecodeBatch, PrefillBatch
 
 
@@ -39,6 +38,10 @@ class DeviceState:
     cache: KVCache
     output_counts: jax.Array  # i32[max_seqs, vocab] (once a request uses penalties) or i32[max_seqs, 0]
     prompt_mask: jax.Array  # bool[max_seqs, vocab] or bool[max_seqs, 0]
+    # i32[max_seqs]: each slot's latest sampled token. Overlapped scheduling plans a call before the
+    # one before it has returned: a batch token the host does not know yet is -1 there, and the call
+    # reads it here (`_fill_pending`), never fetched first.
+    last_sampled: jax.Array
     # Speculative decoding with a draft model: its pages, under the target's block ids (the same
     # tables and slots), written by every forward the target runs; None without one.
     draft_cache: KVCache | None = None
@@ -50,9 +53,6 @@ class DeviceState:
 
     def with_caches(self, caches) -> DeviceState:
         return dataclasses.replace(self, cache=caches[0], draft_cache=caches[1] if len(caches) > 1 else None)
-
-
-_DRAFT_STREAM = 0xD4AF  # folded into a row's key for its draft model's draws
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,46 +81,29 @@ def _count_tokens(counts, tokens):  # i32[B, V], i32[B, J] (-1: none) -> i32[B, 
     return counts.at[rows, jnp.where(tokens >= 0, tokens, counts.shape[1])].add(1, mode="drop")
 
 
+def _last_tokens(tokens):
+    """i32[B, J] sampled tokens (-1 after a row's last) -> (i32[B] each row's last, bool[B] any)."""
+    taken = jnp.sum(tokens >= 0, axis=1)
+    return jnp.take_along_axis(tokens, jnp.maximum(taken - 1, 0)[:, None], axis=1)[:, 0], taken > 0
+
+
+def _keep_last_sampled(state: DeviceState, slots, tokens) -> DeviceState:
+    """Record each row's latest sampled token (i32[B, J], -1 none) under its slot."""
+    last, any_taken = _last_tokens(tokens)
+    target = jnp.where((slots >= 0) & any_taken, slots, state.last_sampled.shape[0])
+    return dataclasses.replace(state, last_sampled=state.last_sampled.at[target].set(last, mode="drop"))
+
+
+def _fill_pending(state: DeviceState, tokens, slots, live):
+    """Live tokens the host left -1 (sampled by the call before, which it has not fetched) take
+    their slot's latest sampled token."""
+    pending = live & (tokens < 0)
+    return jnp.where(pending, state.last_sampled[jnp.maximum(slots, 0)], tokens)
+
+
 def _put_counts(state: DeviceState, slots, counts) -> DeviceState:
     target = jnp.where(slots >= 0, slots, state.output_counts.shape[0])
     return dataclasses.replace(state, output_counts=state.output_counts.at[target].set(counts, mode="drop"))
-
-
-def _draft_proposals(draft, cache: KVCache, batch: PrefillBatch, sp: sampler.SlotParams, flags: Flags):
-    """k decode steps of the draft model from each verifying row's last token, over the slots the
-    host mapped for the row's proposals -> (drafts i32[B, k] (-1 where the row has no slot), q f32[B,
-    k, V]: the distribution each was drawn from, or None when every row is greedy (q one-hot), cache).
-    Draft j of a row is drawn as the target's token there would be: temperature, top-k / top-p /
-    min-p, min_tokens, with the row's key (its own stream) and the index of that output token; the
-    penalties are left out of q (any q keeps verification exact; a closer one is accepted more)."""
-    num_rows, k = batch.drafts.shape
-    rows = jnp.arange(num_rows)
-    first = jnp.maximum(batch.spec_rows[:, 0], 0)  # each row's last sampled token in the batch
-    start, last = batch.positions[first], batch.tokens[first]
-    keys = jax.vmap(jax.random.fold_in, (0, None))(sp.key, _DRAFT_STREAM)
-
-    def step(carry, j):
-        cache, last = carry
-        active = batch.drafts[:, j] >= 0
-        positions = start + j
-        md = AttentionMetadata(slot_mapping=jnp.where(active, batch.slot_mapping[batch.spec_rows[:, j]], -1),
-                               block_tables=batch.block_tables, seq_lens=jnp.where(active, positions + 1, 0),
-                               query_start_loc=jnp.arange(num_rows + 1, dtype=jnp.int32), decode_only=True)
-        logits, cache = draft(last, positions, cache, md, rows, backend=flags.backend, mesh=flags.mesh)
-        index = batch.num_output - 1 + j  # the output index of the token draft j proposes
-        _, _, target = sampler.prepare(logits, sp, index)
-        tokens = jnp.argmax(target, axis=-1).astype(jnp.int32)
-        q = None
-        if flags.random:
-            dist = sampler.scaled(target, sp, filters=flags.filters)
-            drawn = jax.vmap(jax.random.categorical)(jax.vmap(jax.random.fold_in)(keys, index), dist)
-            tokens = jnp.where(sp.temperature < SAMPLING_EPS, tokens, drawn.astype(jnp.int32))
-            q = jax.nn.softmax(dist, axis=-1)
-        tokens = jnp.where(active, tokens, -1)
-        return (cache, jnp.where(active, tokens, last)), (tokens, q)
-
-    (cache, _), (drafts, q) = jax.lax.scan(step, (cache, last), jnp.arange(k))
-    return drafts.T, None if q is None else jnp.swapaxes(q, 0, 1), cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "flags", "draft_graphdef"), donate_argnames=("state",))
@@ -135,6 +118,8 @@ def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: 
     batch's tokens there are stand-ins, written over before the target reads them) and runs over the
     batch too."""
     num_rows = batch.slots.shape[0]
+    token_slots = batch.slots[jnp.maximum(batch.token_row, 0)]
+    batch = dataclasses.replace(batch, tokens=_fill_pending(state, batch.tokens, token_slots, batch.token_row >= 0))
     caches = state.caches
     if swapped is not None:
         caches = tuple(swap.scatter_blocks(c, batch.swap_blocks, s) for c, s in zip(caches, swapped))
@@ -147,7 +132,7 @@ def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: 
     if draft_graphdef is not None:
         draft_model = nnx.merge(draft_graphdef, draft_params)
         if verifying:
-            drafts, draft_probs, draft_cache = _draft_proposals(draft_model, draft_cache, batch, sp, flags)
+            drafts, draft_probs, draft_cache = draft_proposer.propose(draft_model, draft_cache, batch, sp, flags)
             at = jnp.where(batch.spec_rows[:, 1:] >= 0, batch.spec_rows[:, 1:], batch.tokens.shape[0])
             batch = dataclasses.replace(batch, tokens=batch.tokens.at[at].set(drafts, mode="drop"), drafts=drafts)
         # The draft's K/V of every token the target computes (its last proposal's included).
@@ -182,7 +167,7 @@ def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: 
             random=flags.random))
         finish = sampler.stop_check(tokens[:, 0], sp, batch.num_output, batch.total_len)
     tokens = jnp.where(live[:, None], tokens, -1)
-    new = state.with_caches(caches)
+    new = _keep_last_sampled(state.with_caches(caches), batch.slots, tokens)
     if penalties is not None:
         new = _put_counts(new, batch.slots, _count_tokens(penalties[0], tokens))
     out = ModelOutput(tokens=tokens, logprob=logprob, rank=rank, top_ids=top_ids, top_logprobs=top_lps,
@@ -215,7 +200,8 @@ def decode_steps(graphdef, params, state: DeviceState, batch: DecodeBatch, sp: s
     active = batch.live
     rows = jnp.arange(num_rows)
     # The step count a strong i32 (not jnp.array(0)'s weak type): the warm-up compiles continue_decode for it.
-    carry = (state.caches, counts, out, batch.last_tokens, active, batch.num_output, batch.total_len, jnp.int32(0))
+    last = _fill_pending(state, batch.last_tokens, batch.slots, active)
+    carry = (state.caches, counts, out, last, active, batch.num_output, batch.total_len, jnp.int32(0))
 
     def cond(carry):
         *_, out, _, active, _, _, step = carry
@@ -250,7 +236,7 @@ def decode_steps(graphdef, params, state: DeviceState, batch: DecodeBatch, sp: s
                 num_output + active, total_len + active, step + 1)
 
     caches, counts, out, *_, steps = jax.lax.while_loop(cond, body, carry)
-    new = state.with_caches(caches)
+    new = _keep_last_sampled(state.with_caches(caches), batch.slots, out["tokens"])
     if counts is not None:
         new = _put_counts(new, batch.slots, counts)
     return new, ModelOutput(**out, steps=steps)
@@ -263,7 +249,7 @@ def continue_decode(prev: DecodeBatch, out: ModelOutput, slots, block_tables, nu
     sampled, a row that finished stays idle. The host gives what it owns: the rows' slots (-1 for
     a sequence it finished meanwhile), their tables and reserved slots."""
     taken = jnp.sum(out.tokens >= 0, axis=1)
-    last = jnp.take_along_axis(out.tokens, jnp.maximum(taken - 1, 0)[:, None], axis=1)[:, 0]
+    last, _ = _last_tokens(out.tokens)
     return DecodeBatch(slots=slots, block_tables=block_tables, positions=prev.positions + taken,
                        num_mapped=num_mapped, live=prev.live & (out.finish == 0) & (slots >= 0),
                        last_tokens=jnp.where(taken > 0, last, prev.last_tokens),

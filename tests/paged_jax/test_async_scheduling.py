@@ -98,3 +98,103 @@ def test_rows_stopping_inside_overlapped_calls_give_the_serial_outputs(model):
     assert calls[False] == 0 and calls[True] >= 5
     reasons = {r[2] for r in results[True]}
     assert reasons == {"stop", "length"}
+
+
+def run_arrivals(llm, arrivals):
+    """arrivals: one list of (request_id, prompt, params) per step; step until all finish ->
+    {request_id: its final RequestOutput}."""
+    engine, done, step = llm.engine, {}, 0
+    while step < len(arrivals) or engine.has_unfinished_requests():
+        for request_id, prompt, params in arrivals[step] if step < len(arrivals) else []:
+            engine.add_request(request_id, prompt, params)
+        done.update((out.request_id, out) for out in engine.step() if out.finished)
+        step += 1
+    return done
+
+
+def test_prefill_steps_overlap_and_give_the_serial_outputs(model):
+    """Two requests arrive every step on a 16-token budget and 8 rows, so most calls are ragged
+    steps (prompt chunks beside decoding rows) planned while the call before runs: a decoding row's
+    last token is PENDING on the host and read on the device from the call before. Rows stop inside
+    those steps on their first token (max_tokens=1, EOS), on a stop string, a stop token and at
+    max_tokens (ended when the next call is planned, so it gets their blocks); some sample with a seed, use penalties, ask for logprobs or prompt logprobs, or
+    fork n=2. Tokens, text, finish and stop reasons equal the serial engine's, logprobs to f32
+    rounding, and the pool drains."""
+    g = greedy_reference(model, PROMPT, 12)
+    assert g[0] not in g[1:5]
+    tokenizer = word_tokenizer(eos_token_ids=(g[0],))  # PROMPT's first token ends it unless ignore_eos
+    rng = np.random.default_rng(7)
+    arrivals = []
+    for step in range(10):
+        arrivals.append([])
+        for j in range(2):
+            i = 2 * step + j
+            prompt = PROMPT if i % 2 == 0 else rng.integers(1, 128, int(rng.integers(3, 21))).tolist()
+            params = SamplingParams(
+                temperature=0.8 if i % 5 == 4 else 0.0, seed=i,
+                max_tokens=1 if i % 7 == 3 else 5 if i % 8 == 4 else int(rng.integers(2, 14)),
+                ignore_eos=i % 8 in (2, 4, 6),
+                stop=[f"w{g[2]}"] if i % 8 == 2 else [], stop_token_ids=[g[4]] if i % 8 == 4 else [],
+                logprobs=2 if i % 5 == 0 else None, prompt_logprobs=1 if i == 9 else None,
+                repetition_penalty=1.3 if i % 5 == 2 else 1.0, frequency_penalty=0.5 if i % 5 == 2 else 0.0,
+                n=2 if i == 13 else 1)
+            arrivals[-1].append((str(i), " ".join(f"w{t}" for t in prompt), params))
+    results, overlapped_steps = {}, []
+    for overlapped in (False, True):
+        llm = LLM(model, tokenizer=tokenizer, block_size=4, num_blocks=96, max_num_seqs=8, max_num_batched_tokens=16,
+                  num_decode_steps=4, log_stats=False, async_scheduling=overlapped)
+        if overlapped:
+            schedule_next = llm.engine.scheduler.schedule_next
+
+            def spy(prev):
+                plan = schedule_next(prev)
+                overlapped_steps.append(plan is not None and not plan.is_decode)
+                return plan
+
+            llm.engine.scheduler.schedule_next = spy
+        done = run_arrivals(llm, arrivals)
+        results[overlapped] = {
+            request_id: [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs) for c in out.outputs]
+            + [out.prompt_logprobs] for request_id, out in done.items()}
+        assert_pool_drained(llm)
+    serial, overlapped = results[False], results[True]
+    assert sorted(serial) == sorted(overlapped) == sorted(str(i) for i in range(20))
+    for request_id, outputs in serial.items():
+        for want, got in zip(outputs[:-1], overlapped[request_id][:-1]):
+            assert got[:4] == want[:4], request_id
+            if want[4] is not None:
+                assert [sorted(e) for e in got[4]] == [sorted(e) for e in want[4]]
+                np.testing.assert_allclose([lp.logprob for e in got[4] for lp in e.values()],
+                                           [lp.logprob for e in want[4] for lp in e.values()], atol=1e-5)
+    assert [e and sorted(e) for e in overlapped["9"][-1]] == [e and sorted(e) for e in serial["9"][-1]]
+    reasons = {c[2] for outputs in overlapped.values() for c in outputs[:-1]}
+    assert reasons == {"stop", "length"} and sum(overlapped_steps) >= 10
+    assert any(len(o[0][0]) == 1 for o in overlapped.values())  # some stop on their first token
+    # Its 5th token is both its max_tokens-th and a stop token: ended when the call after the one
+    # sampling it was planned, it still finishes with "stop".
+    assert overlapped["12"][0][0] == g[:5] and overlapped["12"][0][2:4] == ("stop", g[4])
+
+
+def test_an_overlapped_plan_that_would_preempt_is_not_made(model):
+    """Block size 4, 4 usable blocks: two 8-token prompts fill them, and each row's next token needs
+    a block. Planning the call after the prefill while it runs would preempt a row whose token is
+    still PENDING, so no call is planned then: the prefill is processed first, nothing was preempted
+    or allocated meanwhile, and the serial plan after it preempts as usual; the tokens are the
+    greedy reference's."""
+    llm = LLM(model, block_size=4, num_blocks=5, max_num_seqs=2, num_decode_steps=4, log_stats=False)
+    engine = llm.engine
+    prompts = [PROMPT + [1, 2], PROMPT + [3, 4]]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert engine.step() == []  # the prefill, in flight
+    seqs = list(engine.scheduler.running)
+    assert engine.scheduler.num_free == 0 and engine._in_flight is not None
+    outputs = engine.step()  # nothing planned: the prefill's output processed
+    assert engine._in_flight is None and engine.scheduler.num_preemptions == 0
+    assert engine.scheduler.num_free == 0 and engine.scheduler.running == seqs
+    assert {s.request.request_id: s.token_ids[8:] for s in seqs} == {o.request_id: o.outputs[0].token_ids
+                                                                      for o in outputs}
+    done = run_arrivals(llm, [])
+    assert engine.stats()["num_preemptions"] >= 1
+    assert [done[str(i)].outputs[0].token_ids for i in range(2)] == [greedy_reference(model, p, 4) for p in prompts]
+    assert_pool_drained(llm)

@@ -139,9 +139,10 @@ def test_a_one_token_prefill_chunk_is_not_run_as_a_decode(hf_llama):
     steps = []  # (is_decode, pending tokens of each scheduled sequence) at planning time
     schedule = llm.engine.scheduler.schedule
 
-    def spy(*args):
-        plan = schedule(*args)
-        steps.append((plan.is_decode, [seq.num_tokens - seq.num_computed for seq, _ in plan.scheduled]))
+    def spy(*args, **kwargs):
+        plan = schedule(*args, **kwargs)
+        if plan is not None:
+            steps.append((plan.is_decode, [seq.num_tokens - seq.num_computed for seq, _ in plan.scheduled]))
         return plan
 
     llm.engine.scheduler.schedule = spy

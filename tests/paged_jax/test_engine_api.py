@@ -70,8 +70,8 @@ def test_concurrent_partial_prefills_follow_vllm(model):
     engine, steps = llm.engine, []
     schedule = engine.scheduler.schedule
 
-    def spy(*args):
-        plan = schedule(*args)
+    def spy(*args, **kwargs):
+        plan = schedule(*args, **kwargs)
         steps.append([n for _, n in sorted(plan.scheduled, key=lambda item: item[0].slot)])
         return plan
 

@@ -87,7 +87,14 @@ def test_latency_reports_percentiles_and_compiles_only_in_the_first_run(tmp_path
     assert result["compile_s"] > 0 and result["timed_runs_compile_s"] == 0.0
     # The same runs again with async scheduling: decode calls dispatched before the one before is processed.
     assert result["serial"]["overlapped_calls"] == 0 and result["overlapped"]["overlapped_calls"] > 0
-    assert "decode per token (ms)" in capsys.readouterr().out
+    assert result["tok_s"]["end_to_end"] == pytest.approx(2 * 20 / result["rows"][0]["p50"])
+    printed = capsys.readouterr().out
+    assert "decode per token (ms)" in printed and "end-to-end: " in printed
+
+
+def test_latency_host_core_must_be_one_of_several_cores_it_may_run_on():
+    with pytest.raises(SystemExit, match="--host-core 4096: this process may run on cores"):
+        benchmark_latency.pin_host(4096)
 
 
 @pytest.fixture(scope="module")
