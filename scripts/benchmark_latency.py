@@ -10,9 +10,10 @@ Per-token latency is the decode time per output token after the first, (finish -
 Compile time is the first run's extra time over the median run, reported apart. Also the host's
 share of the engine's time (scheduling, batching, output processing: busy time less the device
 calls) per device call, and the bytes each decode call moves between host and device; run it at
-`--batch-size 256` for a GPU's default concurrency. The same runs go through the engine twice, with
-async scheduling off (serial) and on (overlapped): tok/s of each, and the host time the overlapped
-engine still exposes per call (its engine time beyond the serial engine's device time).
+`--batch-size 256` for a GPU's default concurrency. Two engines run the same prompts in turns, one
+with async scheduling off (serial), one on (overlapped): tok/s of each, and the host time the
+host work each device waited for per call (the runs' time beyond the device's busy time, which a
+thread waiting on each call's output measures in the same runs).
 
 On a CPU the "device" is the host's own cores: host work there slows the device's threads whatever
 the schedule. `--host-core N` gives the engine's host thread core N alone and the CPU device's
@@ -24,12 +25,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import sys
+import threading
+import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from paged_jax import LLM, SamplingParams  # noqa: E402
@@ -38,8 +43,43 @@ from scripts import benchlib  # noqa: E402
 QUANTILES = (10, 25, 50, 75, 90, 99)
 
 
-def run_once(llm, args, rng) -> dict:
-    prompts = [rng.integers(0, args.vocab_size, args.input_len).tolist() for _ in range(args.batch_size)]
+class DeviceTimeline:
+    """When each of an engine's device calls ends, seen by a thread that waits on its output (the
+    wait releases the GIL; a short switch interval lets it take the time at once), so the device's
+    own busy time is measured in the engine's runs: host work it waited for is their time beyond it."""
+
+    def __init__(self, runner):
+        self.calls = []  # (dispatched, ended) perf_counter seconds
+        self._sent = 0
+        self._queue = queue.SimpleQueue()
+        threading.Thread(target=self._watch, daemon=True).start()
+        dispatch = runner.dispatch
+
+        def timed(plan, prev=None):
+            call = dispatch(plan, prev)
+            self._sent += 1
+            self._queue.put((call.start, call.out))
+            return call
+        runner.dispatch = timed
+
+    def _watch(self):
+        while True:
+            start, out = self._queue.get()
+            jax.block_until_ready(out)
+            self.calls.append((start, time.perf_counter()))
+
+    def busy_seconds(self) -> float:
+        """The device's busy time so far: each call from its start (or the previous call's end) to its end."""
+        while len(self.calls) < self._sent:  # the watcher has yet to see the last ones end
+            time.sleep(1e-3)
+        busy, last_end = 0.0, 0.0
+        for start, end in self.calls:
+            busy += max(0.0, end - max(start, last_end))
+            last_end = end
+        return busy
+
+
+def run_once(llm, args, prompts) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     r = benchlib.run_engine(llm, prompts, [params] * args.batch_size)
     if any(len(o.outputs[0].token_ids) != args.output_len for o in r["outputs"]):
@@ -50,23 +90,41 @@ def run_once(llm, args, rng) -> dict:
                 tpot_ms=[1e3 * (x["finish_time"] - x["first_token_time"]) / max(args.output_len - 1, 1) for x in m])
 
 
-def measure(model, args, seq_len, rng, overlapped: bool):
-    """Warm-up then timed runs on an engine with async scheduling on or off -> (host figures,
-    compile summary, latency rows, raw metrics, decode tok/s)."""
-    llm = LLM(model, block_size=args.block_size, num_blocks=args.batch_size * -(-seq_len // args.block_size) + 1,
-              max_num_seqs=args.batch_size, max_num_batched_tokens=max(512, args.batch_size), max_model_len=seq_len,
-              num_decode_steps=args.num_decode_steps, log_stats=False, async_scheduling=overlapped)
-    warmup = [run_once(llm, args, rng) for _ in range(args.num_iters_warmup)]
-    before = llm.stats()
-    runs = [run_once(llm, args, rng) for _ in range(args.num_iters)]
-    after = llm.stats()
-    d = {k: after[k] - before[k] for k in ("busy_seconds", "device_seconds", "decode_calls", "prefill_steps",
-                                           "overlapped_calls", "decode_bytes_to_device", "decode_bytes_from_device")}
+def measure(model, args, seq_len, rng) -> dict:
+    """Two engines, async scheduling off (serial) and on (overlapped), each warmed up, then timed in
+    turns on the same fresh prompts (the order swapping each round), so the machine's drift falls on
+    both -> {overlapped: (host figures, compile summary, latency rows, raw metrics, tok/s)}."""
+    llms = {overlapped: LLM(model, block_size=args.block_size,
+                            num_blocks=args.batch_size * -(-seq_len // args.block_size) + 1,
+                            max_num_seqs=args.batch_size, max_num_batched_tokens=max(512, args.batch_size),
+                            max_model_len=seq_len, num_decode_steps=args.num_decode_steps, log_stats=False,
+                            async_scheduling=overlapped)
+            for overlapped in (False, True)}
+    timelines = {o: DeviceTimeline(llm.engine.model_runner) for o, llm in llms.items()}
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    warmup, runs, before = {o: [] for o in llms}, {o: [] for o in llms}, {}
+    for i in range(args.num_iters_warmup + args.num_iters):
+        if i == args.num_iters_warmup:
+            before = {o: dict(llm.stats(), device_busy=timelines[o].busy_seconds()) for o, llm in llms.items()}
+        prompts = [rng.integers(0, args.vocab_size, args.input_len).tolist() for _ in range(args.batch_size)]
+        for o in (False, True) if i % 2 == 0 else (True, False):
+            (warmup if i < args.num_iters_warmup else runs)[o].append(run_once(llms[o], args, prompts))
+    sys.setswitchinterval(switch)
+    return {o: summarize(args, warmup[o], runs[o], before[o], dict(llms[o].stats(), device_busy=timelines[o].busy_seconds()))
+            for o in llms}
+
+
+def summarize(args, warmup, runs, before, after):
+    d = {k: after[k] - before[k] for k in ("busy_seconds", "device_seconds", "device_busy", "decode_calls",
+                                           "prefill_steps", "overlapped_calls", "decode_bytes_to_device",
+                                           "decode_bytes_from_device")}
     calls = d["decode_calls"] + d["prefill_steps"]
-    host = dict(calls=calls, busy_seconds=d["busy_seconds"], device_seconds=d["device_seconds"],
-                overlapped_calls=d["overlapped_calls"],
-                host_ms_per_call=1e3 * (d["busy_seconds"] - d["device_seconds"]) / calls,
-                host_share=1 - d["device_seconds"] / d["busy_seconds"],
+    wall = sum(r["latency_s"] for r in runs)
+    exposed = wall - d["device_busy"]  # the runs' time with the device idle
+    host = dict(calls=calls, busy_seconds=d["busy_seconds"], device_seconds=d["device_seconds"], wall_seconds=wall,
+                device_busy_seconds=d["device_busy"], overlapped_calls=d["overlapped_calls"],
+                exposed_ms_per_call=1e3 * exposed / calls, exposed_share=exposed / wall,
                 decode_bytes_to_device=d["decode_bytes_to_device"] / d["decode_calls"],
                 decode_bytes_from_device=d["decode_bytes_from_device"] / d["decode_calls"])
     latency = [r["latency_s"] for r in runs]
@@ -117,11 +175,9 @@ def main(argv=None):
     seq_len = args.input_len + args.output_len
     model = benchlib.random_llama(args, seq_len)
     rng = np.random.default_rng(args.seed)
-    serial, summary, rows, metrics, serial_tok_s = measure(model, args, seq_len, rng, False)
-    overlapped, *_, overlapped_tok_s = measure(model, args, seq_len, rng, True)
-    # The device's own work is the serial engine's device time; what the overlapped engine spends
-    # beyond it is host work the device waited for.
-    exposed = (overlapped["busy_seconds"] - serial["device_seconds"]) / overlapped["calls"]
+    measured = measure(model, args, seq_len, rng)
+    serial, summary, rows, metrics, serial_tok_s = measured[False]
+    overlapped, *_, overlapped_tok_s = measured[True]
     print(f"latency: batch {args.batch_size}, input {args.input_len}, output {args.output_len} tokens; random Llama "
           f"{benchlib.num_params(model) / 1e6:.0f}M params, {args.dtype}; {args.num_iters_warmup} warm-up + "
           f"{args.num_iters} timed runs" + (f"; host thread on core {args.host_core}" if args.host_core is not None
@@ -131,9 +187,10 @@ def main(argv=None):
               f"overlapped ({overlapped_tok_s[kind] / serial_tok_s[kind]:.2f}x)")
     print(f"compile: the first run took {summary['first_run_extra_s']:.2f} s longer than the median (jax compile "
           f"events: {summary['compile_s']:.2f} s); the timed runs compiled {summary['timed_runs_compile_s']:.2f} s")
-    print(f"host, serial: {serial['host_ms_per_call']:.2f} ms per device call ({serial['host_share']:.1%} of the "
-          f"engine's time); overlapped: {1e3 * exposed:.2f} ms per call exposed "
-          f"({exposed * overlapped['calls'] / overlapped['busy_seconds']:.1%}), {overlapped['overlapped_calls']} of "
+    print(f"host work the device waited for, per call: serial {serial['exposed_ms_per_call']:.2f} ms "
+          f"({serial['exposed_share']:.1%} of the runs' time), overlapped {overlapped['exposed_ms_per_call']:.2f} "
+          f"ms ({overlapped['exposed_share']:.1%}); the device busy {serial['device_busy_seconds']:.2f} s serial, "
+          f"{overlapped['device_busy_seconds']:.2f} s overlapped; {overlapped['overlapped_calls']} of "
           f"{overlapped['calls']} calls dispatched before the one before was processed")
     print(f"each decode call of {args.num_decode_steps} steps sends {serial['decode_bytes_to_device'] / 1024:.1f} KiB "
           f"and fetches {serial['decode_bytes_from_device'] / 1024:.1f} KiB")
@@ -141,7 +198,7 @@ def main(argv=None):
                          + [(f"p{q}", f"p{q}", ".2f") for q in QUANTILES])
     if args.json:
         result = dict(vars(args), **summary, serial=serial, overlapped=overlapped, tok_s=serial_tok_s,
-                      overlapped_tok_s=overlapped_tok_s, exposed_host_ms_per_call=1e3 * exposed,
+                      overlapped_tok_s=overlapped_tok_s,
                       rows=rows, raw=metrics)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
