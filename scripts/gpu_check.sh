@@ -12,10 +12,12 @@
 #   5. speculative decoding (n-gram) on Llama-3.2-1B's shape: tok/s against the plain engine, the
 #      same greedy tokens, and the timed costs of a decode step and a verification
 #      (scripts/gpu_spec_check.py)
+#   6. overlapped against serial scheduling at 256 running sequences (scripts/benchmark_latency.py:
+#      end-to-end and decode tok/s of both, and the host work each device waited for)
 # From a source checkout with no install step (pytest's pythonpath is ".", the scripts put the
 # checkout on sys.path); it needs jax with CUDA, flax and the project's dependencies present.
 #   bash scripts/gpu_check.sh [REPORT_DIR]    (default: gpu_check/; the report is REPORT_DIR/report.md)
-# GPU_CHECK_STEPS (default "1 2 3 4 5") runs some of the steps: a 15-minute lease is better spent as
+# GPU_CHECK_STEPS (default "1 2 3 4 5 6") runs some of the steps: a 15-minute lease is better spent as
 # two calls (steps 1-3, then 4 or a rerun) than as one that leaves no time to rerun a fix.
 set -uo pipefail  # not -e: every step runs, and a failed one makes the exit status 1
 cd "$(dirname "$0")/.."
@@ -26,7 +28,7 @@ python="${PYTHON:-python3}"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda,cpu}"  # the CPU too: tests that compare against it use it
 status=0
 
-steps="${GPU_CHECK_STEPS:-1 2 3 4 5}"
+steps="${GPU_CHECK_STEPS:-1 2 3 4 5 6}"
 step() {  # step N TITLE SECONDS COMMAND...: run under a time limit; its output goes to the report
     local n=$1 title=$2 limit=$3 start=$SECONDS rc
     shift 3
@@ -101,6 +103,10 @@ step 4 "engine programs: measured beside the roofline ($target)" 180 "$python" s
 
 step 5 "speculative decoding: n-gram against plain decoding (Llama-3.2-1B shape, bf16)" 200 \
     "$python" scripts/gpu_spec_check.py
+
+step 6 "overlapped against serial scheduling at 256 running sequences (random 58M Llama)" 150 \
+    "$python" scripts/benchmark_latency.py --batch-size 256 --input-len 32 --output-len 32 \
+    --json "$out/benchmark_latency.json"
 
 echo "wrote $report (exit status $status)"
 exit $status

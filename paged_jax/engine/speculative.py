@@ -5,7 +5,7 @@ A row's proposals ride in the scheduler's plan as extra tokens after its last sa
 verification is a ragged prefill row of 1 + k tokens (worker/rejection_sampler.py scores them and
 keeps the accepted prefix); a rejected tail is rolled back by the scheduler's bookkeeping alone
 (core/scheduler.py: only verified tokens count as computed). A draft model's proposals are made on
-the device in the verifying call itself (worker/runner.py: k draft steps, then the target's
+the device in the verifying call itself (worker/draft_proposer.py: k draft steps, then the target's
 forward): the plan reserves their slots with a stand-in token, RESERVED_DRAFT.
 
 Speculation turns itself down where it does not pay (vLLM's does not): each sequence keeps a
