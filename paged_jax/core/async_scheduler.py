@@ -24,10 +24,10 @@ class AsyncScheduler(Scheduler):
         tokens, whose full blocks enter the prefix cache now (vLLM caches a block when it is
         scheduled: a call that reads it runs after the one writing it), and a row whose chunk
         completes what is known gets its sampled token as PENDING (ending the row if that is its
-        max_tokens-th). None when the next call is
-        planned from `prev`'s output: a row waits for the host between tokens (`Plan.one_step`),
-        `prev` forks or verifies proposals, forks made between steps wait for their copies, or the
-        plan would preempt (the victim may be one of `prev`'s rows)."""
+        max_tokens-th). None when the next call is planned from `prev`'s output: a row waits for
+        the host between tokens (`Plan.one_step`), `prev` forks or verifies proposals, forks made
+        between steps wait for their copies, or the plan would preempt (the victim may be one of
+        `prev`'s rows)."""
         if prev.one_step or prev.forks or prev.drafts or self._copies_pending:
             return None
         if prev.is_decode:
@@ -40,7 +40,8 @@ class AsyncScheduler(Scheduler):
             self.kv_manager.cache_full_blocks(seq)  # before PENDING: a block's hash reads its tokens
             if seq.num_computed == seq.num_tokens:
                 seq.token_ids.append(PENDING)
-                if seq.num_output >= (seq.request.params.max_tokens or seq.num_output + 1):
+                max_tokens = seq.request.params.max_tokens
+                if max_tokens is not None and seq.num_output >= max_tokens:
                     ending.append(seq)
         prev.advanced = True
         # Rows whose PENDING token is their last (max_tokens) end now, as the serial engine's do once

@@ -43,7 +43,7 @@ class Plan:
     # one step for it, and the engine processes its output before the next call is planned.
     one_step: bool = False
     # Overlapped scheduling: the rows' computed tokens and PENDING sampled ones were applied when
-    # the next call was planned (Scheduler.schedule_next); processing the output fills the rest.
+    # the next call was planned (AsyncScheduler.schedule_next); processing the output fills the rest.
     advanced: bool = False
 
     @property

@@ -11,7 +11,7 @@ from paged_jax.sampling_params import SamplingParams
 
 
 # A token an overlapped call's predecessor samples, not yet known on the host (the device reads it
-# from the predecessor's output; Scheduler.schedule_next).
+# from the predecessor's output; AsyncScheduler.schedule_next).
 PENDING = -1
 
 

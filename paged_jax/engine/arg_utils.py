@@ -53,7 +53,7 @@ class EngineArgs:
     swap_space: float = _arg(4, float, "GiB of host memory for swapped blocks and the host prefix cache")
     enable_host_prefix_cache: bool = _arg(False, None, "keep the prefix cache's evicted blocks in that host "
                                                        "memory, copied back on a hit")
-    async_scheduling: bool = _arg(True, None, "plan the next decode call while the device runs this one")
+    async_scheduling: bool = _arg(True, None, "plan the next call while the device runs this one")
     speculative_config: dict | None = _arg(None, str, 'speculative decoding, vLLM\'s JSON: {"method": "ngram", '
                                                       '"num_speculative_tokens": 4, "prompt_lookup_max": 4} or '
                                                       '{"method": "draft_model", "model": PATH, '

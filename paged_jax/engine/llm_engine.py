@@ -21,8 +21,8 @@ from paged_jax.engine import config as config_lib
 from paged_jax.engine import speculative, warm_up
 from paged_jax.engine.arg_utils import EngineArgs
 from paged_jax.engine.output_processor import OutputProcessor
-from paged_jax.engine.processor import InputProcessor
 from paged_jax.engine.outputs import RequestOutput
+from paged_jax.engine.processor import InputProcessor
 from paged_jax.engine.structured_outputs import StructuredOutputManager
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker import model_runner, sharding
@@ -36,8 +36,9 @@ class LLMEngine:
         `preemption_mode` "recompute" (vLLM V1) drops a preempted request's blocks; "swap" (vLLM V0,
         the paper's section 4.5) copies them to `swap_space` GiB of host memory and back, recomputing
         only when the host pool is full. `async_scheduling` (vLLM's name): while the device runs a
-        decode call, the host plans and dispatches the next one, then processes the first's output;
-        outputs are the serial engine's (False: each call is planned after the one before is processed)."""
+        call, the host plans and dispatches the next one (core/async_scheduler.py), then processes
+        the first's output; outputs are the serial engine's (False: each call is planned after the
+        one before is processed)."""
         if engine_args is not None and kwargs:
             raise ValueError(f"pass engine_args or keyword arguments, not both (got {sorted(kwargs)})")
         args = self.engine_args = engine_args or EngineArgs(**kwargs)
