@@ -88,6 +88,12 @@ def test_latency_reports_percentiles_and_compiles_only_in_the_first_run(tmp_path
     # The same runs again with async scheduling: decode calls dispatched before the one before is processed.
     assert result["serial"]["overlapped_calls"] == 0 and result["overlapped"]["overlapped_calls"] > 0
     assert result["tok_s"]["end_to_end"] == pytest.approx(2 * 20 / result["rows"][0]["p50"])
+    for engine in ("serial", "overlapped"):  # the device's busy time is timed within the runs' wall time
+        host = result[engine]
+        assert 0 < host["device_busy_seconds"] <= host["wall_seconds"]
+        assert host["exposed_ms_per_call"] == pytest.approx(
+            1e3 * (host["wall_seconds"] - host["device_busy_seconds"]) / host["calls"])
+    assert result["serial"]["wall_seconds"] == pytest.approx(sum(result["raw"]["end-to-end latency (s)"]))
     printed = capsys.readouterr().out
     assert "decode per token (ms)" in printed and "end-to-end: " in printed
 
