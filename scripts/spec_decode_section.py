@@ -5,8 +5,9 @@ Two workloads of 8 chat prompts: `repeat/edit` asks the model to repeat or edit 
 (the case prompt lookup exists for: the answer quotes the prompt), `free` asks for new text. Each
 runs at batch 1 (one request at a time) and batch 8 (all at once), without speculation and with
 it; per row: output tok/s, the ratio to the same workload and batch without speculation, the
-acceptance rate, the mean tokens per verification (accepted drafts + 1) and whether the tokens
-equal the plain run's. Compile time is left out (benchlib.run_engine); each run is made three times,
+acceptance rate, the mean tokens per verification (accepted drafts + 1), the share of calls
+planned before the call ahead of them returned (async scheduling) and whether the tokens equal
+the plain run's. Compile time is left out (benchlib.run_engine); each run is made three times,
 alternating with the other engine, and the fastest kept.
 """
 from __future__ import annotations
@@ -48,7 +49,7 @@ CONFIG = {"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_min": 2
 COLUMNS = [("name", "run", "s"), ("output_tokens", "output tokens", "d"), ("output_tok_s", "output tok/s", ".1f"),
            ("ratio", "x no speculation", ".2f"), ("acceptance", "acceptance", ".1%"),
            ("mean_length", "tokens / verification", ".2f"), ("verifications", "verifications", "d"),
-           ("same_tokens", "same tokens", ".0%")]
+           ("ahead", "calls planned ahead", ".0%"), ("same_tokens", "same tokens", ".0%")]
 
 
 def _run(llm, inputs, params, batch: int) -> dict:
@@ -97,7 +98,8 @@ def spec_decode_rows(args):
                                  output_tok_s=tokens / run["run_s"], ratio=tokens / run["run_s"] / plain_tok_s,
                                  acceptance=s.get("spec_decode_acceptance_rate", 0.0),
                                  mean_length=s.get("spec_decode_mean_accepted_length", 1.0),
-                                 verifications=s.get("spec_decode_num_drafts", 0), same_tokens=same))
+                                 verifications=s.get("spec_decode_num_drafts", 0), same_tokens=same,
+                                 ahead=s["overlapped_calls"] / max(s["prefill_steps"] + s["decode_calls"], 1)))
     info = (f"spec-decode: {path.name}, engine defaults, greedy, max_tokens {args.output_len}; "
             f"{len(WORKLOADS['free'])} chat prompts per workload; speculative_config {CONFIG}")
     return rows, info

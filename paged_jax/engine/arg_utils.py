@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from paged_jax import attention
 from paged_jax.engine import config as config_lib
-from paged_jax.engine import speculative
+from paged_jax.engine import spec_config
 from paged_jax.worker import model_runner, sharding
 
 DTYPES = ("float32", "bfloat16")
@@ -83,7 +83,7 @@ class EngineArgs:
             if getattr(self, name) not in (True, False):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         # A dict (or --speculative-config's JSON text) becomes the checked SpeculativeConfig.
-        object.__setattr__(self, "speculative_config", speculative.SpeculativeConfig.parse(self.speculative_config))
+        object.__setattr__(self, "speculative_config", spec_config.SpeculativeConfig.parse(self.speculative_config))
         if self.enable_host_prefix_cache and not self.enable_prefix_caching:
             raise ValueError("enable_host_prefix_cache=True needs enable_prefix_caching=True (it keeps the "
                              "prefix cache's evicted blocks)")

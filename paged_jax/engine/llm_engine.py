@@ -3,13 +3,16 @@
 One `step()` reads like vLLM's: the scheduler plans (host), the model runner makes one device call
 (a ragged `prefill_step`, or `decode_steps` when every scheduled sequence is decoding), the
 scheduler takes its output (`update_from_output`), and the output processor turns the new tokens
-into text and `RequestOutput`s.
+into text and `RequestOutput`s. With async scheduling the next call is dispatched before the
+output processor runs: planned while the call runs where the plan needs nothing of its output,
+else right after the scheduler took it.
 """
 from __future__ import annotations
 
 import itertools
 import time
 
+import jax
 import numpy as np
 
 from paged_jax.core.async_scheduler import AsyncScheduler
@@ -18,7 +21,8 @@ from paged_jax.core.prefix_cache import PrefixCache
 from paged_jax.core.scheduler import Scheduler
 from paged_jax.core.sequence import Request, Sequence, Status
 from paged_jax.engine import config as config_lib
-from paged_jax.engine import speculative, warm_up
+from paged_jax.engine import spec_config, speculative, warm_up
+from paged_jax.engine import stats as stats_lib
 from paged_jax.engine.arg_utils import EngineArgs
 from paged_jax.engine.output_processor import OutputProcessor
 from paged_jax.engine.outputs import RequestOutput
@@ -43,12 +47,12 @@ class LLMEngine:
             raise ValueError(f"pass engine_args or keyword arguments, not both (got {sorted(kwargs)})")
         args = self.engine_args = engine_args or EngineArgs(**kwargs)
         mesh = args.create_mesh(mesh)
-        draft, draft_tokenizer = speculative.load_draft_model(args.speculative_config, dtype=args.dtype)
+        draft, draft_tokenizer = spec_config.load_draft_model(args.speculative_config, dtype=args.dtype)
         if mesh is not None:
             model = sharding.shard_model(model, mesh)
             draft = draft and sharding.shard_model(draft, mesh)
         self.config = args.create_engine_config(model, mesh, draft)
-        speculative.check_draft_vocabulary(args.speculative_config, tokenizer, draft_tokenizer)
+        spec_config.check_draft_vocabulary(args.speculative_config, tokenizer, draft_tokenizer)
         self.mesh = mesh
         self.model_config = model.config
         self.tokenizer = tokenizer
@@ -65,11 +69,12 @@ class LLMEngine:
         self.structured_outputs = StructuredOutputManager(tokenizer, model.config.vocab_size)
         self.model_runner.bitmask = self.structured_outputs.bitmask
         self.prefix_cache = PrefixCache(enabled=c.enable_prefix_caching)
-        # Speculative decoding: proposals need the latest tokens, so its calls are planned serially.
+        # Speculative decoding; its decisions follow this process's clock only when it is alone.
         self.speculator = (speculative.Speculator(args.speculative_config, c.max_model_len, max_num_seqs=c.max_num_seqs,
-                                                  max_num_batched_tokens=c.max_num_batched_tokens)
+                                                  max_num_batched_tokens=c.max_num_batched_tokens,
+                                                  timed=jax.process_count() == 1)
                            if args.speculative_config else None)
-        self.async_scheduling = args.async_scheduling and self.speculator is None
+        self.async_scheduling = args.async_scheduling
         self.scheduler = (AsyncScheduler if self.async_scheduling else Scheduler)(
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             block_size=c.block_size, num_blocks=c.num_blocks, max_blocks_per_seq=c.max_blocks_per_seq,
@@ -91,9 +96,7 @@ class LLMEngine:
 
     def _reset_counters(self) -> None:
         self._request_counter = itertools.count()  # arrival indices seed unseeded requests
-        self.counters = dict(prompt_tokens=0, generation_tokens=0, prefill_tokens=0, prefill_steps=0,
-                             decode_calls=0, decode_steps=0, model_steps=0, running_steps=0,
-                             max_num_running=0, busy_seconds=0.0, peak_blocks_used=0, overlapped_calls=0)
+        self.counters = stats_lib.new_counters()
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -166,7 +169,11 @@ class LLMEngine:
     # -- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one device call; return the outputs of requests that progressed or finished."""
+        """Run one device call; return the outputs of requests that progressed or finished. With
+        async scheduling the next call is dispatched before this one's output is processed: while
+        this one runs when its plan needs nothing of that output (AsyncScheduler.schedule_next),
+        else as soon as the scheduler has taken it; either way the output side (logprobs, text,
+        stop strings, RequestOutputs) runs beside the next call."""
         touched, self._finished_outside_step = self._finished_outside_step, set()
         start = time.perf_counter()
         call, self._in_flight = self._in_flight, None
@@ -177,24 +184,28 @@ class LLMEngine:
                 touched.add(request.request_id)
             else:
                 self._schedule(request)
-        if call is not None:  # overlapped: dispatch the next call, then process this one
+        after = None
+        if call is not None and (self.speculator is None or self.speculator.quiet):
             after = self.scheduler.schedule_next(call.plan)
-            if after is not None:
-                self._count_plan(after)
-                self.counters["overlapped_calls"] += 1
-                continues = call.plan.is_decode and after.is_decode  # its batch is built on the device
-                self._in_flight = self.model_runner.dispatch(after, prev=call if continues else None)
-        elif self.scheduler.has_work:
-            drafts = self.speculator.propose(self.scheduler.running) if self.speculator else None
-            plan = self.scheduler.schedule(drafts)
+        if after is not None:  # planned while `call` runs
             if self.speculator:
-                self.speculator.limit_decode(plan)
-            self._count_plan(plan)
-            call = self.model_runner.dispatch(plan)
-            if self.async_scheduling and not plan.one_step:  # processed next step
-                self._in_flight, call = call, None
-        if call is not None:
-            touched |= self._process(call)
+                self.speculator.planned_ahead(self.scheduler.running)
+            stats_lib.count_plan(self.counters, after)
+            self.counters["overlapped_calls"] += 1
+            continues = call.plan.is_decode and after.is_decode  # its batch is built on the device
+            self._in_flight = self.model_runner.dispatch(after, prev=call if continues else None)
+            touched |= self._report(call, self._apply(call))
+            call = None
+        elif call is not None:  # the next call is planned from its output, before the output side runs
+            applied = self._apply(call)
+            call, done = self._launch(), call
+            touched |= self._report(done, applied)
+        else:
+            call = self._launch()
+        if call is not None and self.async_scheduling and not call.plan.one_step:
+            self._in_flight = call  # processed next step
+        elif call is not None:
+            touched |= self._report(call, self._apply(call))
         self.counters["busy_seconds"] += time.perf_counter() - start
         used = self.config.num_blocks - 1 - self.scheduler.num_free
         self.counters["peak_blocks_used"] = max(self.counters["peak_blocks_used"], used)
@@ -204,54 +215,46 @@ class LLMEngine:
                 del self.requests[out.request_id]
         return outputs
 
-    def _process(self, call: model_runner.Call) -> set[str]:
-        """Fetch a call's output and apply it: the scheduler's transitions, then the output side's
-        (logprobs, text, stop strings), then the stop strings' finishes -> the requests touched."""
-        plan, output = call.plan, self.model_runner.fetch(call)
+    def _launch(self) -> model_runner.Call | None:
+        """Plan the next call from what the host holds (speculation's proposals need the latest
+        tokens) and dispatch it onto the idle device; None when there is nothing to run."""
+        if not self.scheduler.has_work:
+            return None
+        drafts = self.speculator.propose(self.scheduler.running) if self.speculator else None
+        plan = self.scheduler.schedule(drafts)
         if self.speculator:
-            self._time_call(plan, int(output.steps), time.perf_counter() - call.start)
+            self.speculator.limit_decode(plan)
+        stats_lib.count_plan(self.counters, plan)
+        call = self.model_runner.dispatch(plan)
+        call.timed = True
+        return call
+
+    def _apply(self, call: model_runner.Call):
+        """Fetch a call's output and apply what the next plan depends on: the scheduler's
+        transitions, the speculator's acceptance and costs, the grammars' advance -> (output,
+        progressed) for `_report`."""
+        plan, ready = call.plan, call.out.tokens.is_ready()
+        output = self.model_runner.fetch(call)
+        if self.speculator and call.timed and not ready:  # the host waited for it: timed to its end
+            self.speculator.observe_call(plan, int(output.steps), time.perf_counter() - call.start)
         progressed = self.scheduler.update_from_output(plan, output)
-        stopped, num_new = self.output_processor.process_outputs(plan, output, progressed)
-        if plan.drafts:
-            self._record_acceptance(plan, output)
+        if self.speculator:
+            self.speculator.record_call(plan, output, progressed)
         complete, refused = self.structured_outputs.advance(progressed)
-        self.scheduler.finish(stopped + complete, Status.FINISHED_STOPPED)
+        self.scheduler.finish(complete, Status.FINISHED_STOPPED)
         self.scheduler.finish(refused, Status.FINISHED_ERROR)
+        stats_lib.count_steps(self.counters, plan, int(output.steps))
+        return output, progressed
+
+    def _report(self, call: model_runner.Call, applied) -> set[str]:
+        """The output side of an applied call (logprobs, text, stop strings) and the finishes of
+        the stop strings it found -> the requests touched. A row finished here that the next call
+        already runs is discarded from that call's output (Scheduler.update_from_output)."""
+        output, progressed = applied
+        stopped, num_new = self.output_processor.process_outputs(call.plan, output, progressed)
+        self.scheduler.finish(stopped, Status.FINISHED_STOPPED)
         self.counters["generation_tokens"] += num_new
-        self._count_steps(plan, int(output.steps))
         return {seq.request.request_id for seq, _, _ in progressed}
-
-    def _time_call(self, plan, steps: int, seconds: float) -> None:
-        """The speculator's costs: decode calls per step, and verification calls of decoding rows
-        alone (a prefill chunk in the call would price it as well)."""
-        if plan.is_decode and steps:
-            self.speculator.observe(self.speculator.step_key(len(plan.scheduled)), seconds / steps)
-        elif plan.drafts and not (plan.admitted or plan.forks or plan.preempted) and all(
-                n == 1 + len(plan.drafts.get(seq, ())) for seq, n in plan.scheduled):
-            self.speculator.observe(self.speculator.verify_key(sum(n for _, n in plan.scheduled)), seconds)
-
-    def _record_acceptance(self, plan, output) -> None:
-        for row, (seq, _) in enumerate(plan.scheduled):
-            drafts = plan.drafts.get(seq)
-            if drafts:
-                self.speculator.record(seq, len(drafts), int(output.num_accepted[row]))
-
-    def _count_plan(self, plan):
-        k = self.counters
-        if plan.is_decode:
-            k["decode_calls"] += 1
-            return
-        k["prefill_steps"] += 1
-        # Known tokens computed (prompts, and outputs recomputed after a preemption): not decode rows.
-        k["prefill_tokens"] += sum(max(0, min(seq.num_computed + n, seq.prefill_end) - seq.num_computed)
-                                   for seq, n in plan.scheduled)
-
-    def _count_steps(self, plan, steps):
-        k, running = self.counters, len(plan.scheduled) + len(plan.forks)
-        k["model_steps"] += steps
-        k["decode_steps"] += steps if plan.is_decode else 0
-        k["running_steps"] += steps * running
-        k["max_num_running"] = max(k["max_num_running"], running if steps else 0)
 
     def warm_up(self, prompt_len: int = 32, *, workers: int | None = None) -> dict:
         """Compile what short requests run, on `workers` threads, without running anything
@@ -286,15 +289,5 @@ class LLMEngine:
     # -- metrics -------------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        c, k = self.config, self.counters
-        busy = max(k["busy_seconds"], 1e-9)
-        return dict(
-            num_blocks=c.num_blocks, block_size=c.block_size, peak_blocks_used=k["peak_blocks_used"],
-            **self.scheduler.stats(),
-            prompt_tokens=k["prompt_tokens"], generation_tokens=k["generation_tokens"],
-            prefill_tokens=k["prefill_tokens"], max_num_running=k["max_num_running"],
-            mean_num_running=k["running_steps"] / max(k["model_steps"], 1),
-            prefill_steps=k["prefill_steps"], decode_calls=k["decode_calls"], decode_steps=k["decode_steps"],
-            overlapped_calls=k["overlapped_calls"],
-            busy_seconds=k["busy_seconds"], generation_throughput=k["generation_tokens"] / busy,
-            **(self.speculator.stats() if self.speculator else {}), **self.model_runner.counters)
+        return stats_lib.engine_stats(self.config, self.counters, self.scheduler.stats(),
+                                      self.speculator.stats() if self.speculator else {}, self.model_runner.counters)

@@ -1,5 +1,5 @@
-"""Speculative decoding on the host: the configuration (vLLM's `speculative_config`), the n-gram
-proposer (vLLM's prompt lookup), and the controller that decides which rows speculate.
+"""Speculative decoding on the host: the n-gram proposer (vLLM's prompt lookup) and the controller
+that decides which rows speculate (the configuration: engine/spec_config.py).
 
 A row's proposals ride in the scheduler's plan as extra tokens after its last sampled one, so the
 verification is a ragged prefill row of 1 + k tokens (worker/rejection_sampler.py scores them and
@@ -17,83 +17,22 @@ batch, but several on a CPU, whose cost follows the tokens computed).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
-from pathlib import Path
 
 import jax
 import numpy as np
 
 from paged_jax.core.sequence import Sequence
+from paged_jax.engine.spec_config import SpeculativeConfig
 from paged_jax.worker import batching
 
-METHODS = ("ngram", "draft_model")
-_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
 RATE_WEIGHT = 0.5  # how much one verification moves a sequence's acceptance rate
 RATE_RECOVERY = 0.02  # per call it rests: the rate moves this share back toward 1 (a probe every ~4 calls)
 MIN_EXPECTED_PER_ROW = 0.5  # expected accepted drafts per running row for a call to verify
 COST_WEIGHT = 0.2  # how much one timed call moves the running cost of its kind
 PROBE_STEPS = 2  # decode steps of a call while speculating rows look for a match
 RESERVED_DRAFT = 0  # stands in the plan for a draft model's proposal, which the device writes
-# Text a draft's tokenizer must encode as the target's: words, digits, punctuation, accents, an emoji.
-VOCABULARY_PROBE = "The quick brown fox, 42 times:\n\tdef naïve_café(x): return {'☕': x * 3.14}"
-
-
-@dataclasses.dataclass(frozen=True)
-class SpeculativeConfig:
-    method: str
-    num_speculative_tokens: int
-    prompt_lookup_min: int = 5
-    prompt_lookup_max: int = 5
-    # draft_model: a checkpoint directory or GGUF file (vLLM's "model"), or a model object already
-    # built (the engine's `model` argument takes either too); the engine loads a path.
-    model: object = dataclasses.field(default=None, compare=False)
-
-    @classmethod
-    def parse(cls, value) -> SpeculativeConfig | None:
-        """From vLLM's dict (or its JSON text, as `--speculative-config` takes it); None stays None.
-        ValueError names what is wrong."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not JSON: {value!r} ({e})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict, got {value!r}")
-        unknown = sorted(set(value) - _KEYS)
-        if unknown:
-            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(_KEYS)}")
-        method = value.get("method")
-        if method not in METHODS:
-            raise ValueError(f"speculative_config method must be one of {METHODS}, got {method!r}")
-        k = value.get("num_speculative_tokens")
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"speculative_config num_speculative_tokens must be an integer >= 1, got {k!r}")
-        if method == "draft_model":
-            lookup = sorted({"prompt_lookup_min", "prompt_lookup_max"} & set(value))
-            if lookup:
-                raise ValueError(f"speculative_config {lookup} apply to method 'ngram', not 'draft_model'")
-            model = value.get("model")
-            if model is None or isinstance(model, str) and not model:
-                raise ValueError("speculative_config method 'draft_model' needs \"model\": a checkpoint "
-                                 "directory or GGUF file of the draft")
-            return cls(method, k, model=model)
-        if value.get("model") is not None:
-            raise ValueError("speculative_config \"model\" applies to method 'draft_model', not 'ngram'")
-        # vLLM's defaults: both 5 when neither is given, else the one given for both.
-        low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
-        low, high = (high if low is None else low), (low if high is None else high)
-        low, high = (5 if low is None else low), (5 if high is None else high)
-        for name, n in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"speculative_config {name} must be an integer >= 1, got {n!r}")
-        if low > high:
-            raise ValueError(f"speculative_config prompt_lookup_min={low} exceeds prompt_lookup_max={high}")
-        return cls(method, k, low, high)
-
+MAX_QUIET_CALLS = 3  # calls planned ahead of their tokens after proposing found nothing (overlapped scheduling)
 
 _NUM_COMPILES = [0]  # jax's traces and backend compiles in this process, once a Speculator listens
 _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
@@ -129,7 +68,7 @@ class Speculator:
     """Which running rows propose, and what; fed back with each verification's acceptance."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int, *, max_num_seqs: int,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, timed: bool = True):
         self.config = config
         self.max_model_len = max_model_len
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -138,6 +77,13 @@ class Speculator:
         self.costs: dict[tuple[str, int], float] = {}
         self._compiles_at_propose = 0
         self._probing = False  # the last `propose` found rows to speculate but no match for any
+        # Overlapped scheduling: proposing needs the last call's tokens, so a call is planned before
+        # they are known only while speculation has nothing to verify: after each `propose` that
+        # chose nothing, as many calls as such proposes in a row, up to MAX_QUIET_CALLS.
+        self._num_quiet = self._quiet_calls = 0
+        # Decide by the timed costs (else by the rows' acceptance alone): a multi-process engine's
+        # processes must make the same calls, and their clocks differ.
+        self.timed = timed
         _listen_for_compiles()
         self.reset_counters()
 
@@ -170,16 +116,38 @@ class Speculator:
             else:
                 unmatched[seq] = [RESERVED_DRAFT] * room
         chosen = found if found and self._worth_verifying(found, len(rows)) else {}
-        for seq in rows:
-            if seq not in chosen:
-                seq.spec_rate += (1.0 - seq.spec_rate) * RATE_RECOVERY
+        self._rest([seq for seq in rows if seq not in chosen])
         # No row matched, but if they all had, verifying would pay: look again soon.
         self._probing = bool(unmatched) and not found and self._worth_probing(unmatched, len(rows))
+        quiet = not chosen and not self._probing
+        self._num_quiet = self._num_quiet + 1 if quiet else 0
+        self._quiet_calls = min(self._num_quiet, MAX_QUIET_CALLS)
         return chosen
+
+    @staticmethod
+    def _rest(rows: list[Sequence]) -> None:
+        for seq in rows:
+            seq.spec_rate += (1.0 - seq.spec_rate) * RATE_RECOVERY
+
+    @property
+    def quiet(self) -> bool:
+        """Whether the next call may be planned before the last one's tokens are known (overlapped
+        scheduling): only after proposing chose nothing to verify and no probe, for as many calls as
+        such proposes came in a row (at most MAX_QUIET_CALLS), so a row whose output starts to
+        repeat is verified at most that many calls late."""
+        return self._quiet_calls > 0
+
+    def planned_ahead(self, running: list[Sequence]) -> None:
+        """A call was planned ahead: it verifies nothing, so the rows' rates recover as in a call
+        `propose` made without them."""
+        self._quiet_calls -= 1
+        self._rest([seq for seq in running if self._may_speculate(seq)])
 
     def _worth_probing(self, unmatched: dict[Sequence, list[int]], num_rows: int) -> bool:
         """Whether the rows, had they all matched, would have verified by the timed costs (both
         timed: a guess from the rates alone would shorten calls that never verify)."""
+        if not self.timed:
+            return self.expects_enough(unmatched, num_rows)
         step = self.costs.get(self.step_key(num_rows))
         verify = self.costs.get(self.verify_key(num_rows + sum(len(d) for d in unmatched.values())))
         return step is not None and verify is not None and self._beats(unmatched, num_rows, step, verify)
@@ -198,6 +166,8 @@ class Speculator:
         times its rate) against a decode step's (one token per row), from the timed costs. Untimed
         yet: plain decode calls first (a step's cost is what speculation must beat), then a
         verification whenever the rows expect MIN_EXPECTED_PER_ROW accepted drafts each."""
+        if not self.timed:
+            return self.expects_enough(found, num_rows)
         step = self.costs.get(self.step_key(num_rows))
         if step is None:
             return False
@@ -241,6 +211,24 @@ class Speculator:
         request = seq.request
         return not request.one_step_per_call and request.params.structured_outputs is None
 
+    def observe_call(self, plan, steps: int, seconds: float) -> None:
+        """A call timed from its start on an idle device to its output: a decode call's seconds per
+        step, or a verification of decoding rows alone (a prefill chunk in the call would price it
+        as well)."""
+        if plan.is_decode and steps:
+            self.observe(self.step_key(len(plan.scheduled)), seconds / steps)
+        elif plan.drafts and not (plan.admitted or plan.forks or plan.preempted) and all(
+                n == 1 + len(plan.drafts.get(seq, ())) for seq, n in plan.scheduled):
+            self.observe(self.verify_key(sum(n for _, n in plan.scheduled)), seconds)
+
+    def record_call(self, plan, output, progressed) -> None:
+        """A call's verifications: the rows that took its output (`progressed`: (seq, row, new
+        tokens); a row finished while the call ran verified nothing) and had proposals."""
+        for seq, row, _ in progressed:
+            drafts = plan.drafts.get(seq)
+            if drafts:
+                self.record(seq, len(drafts), int(output.num_accepted[row]))
+
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """One verification of `num_drafts` proposals of `seq`, the first `num_accepted` accepted."""
         k = self.counters
@@ -259,30 +247,3 @@ class Speculator:
                     spec_decode_acceptance_rate=accepted / max(tokens, 1),
                     # tokens each verification gave a row: its accepted drafts and the one sampled after
                     spec_decode_mean_accepted_length=1 + accepted / max(drafts, 1))
-
-
-def load_draft_model(spec, *, dtype=None):
-    """The draft model of a "draft_model" `spec` (a SpeculativeConfig) and its tokenizer (loaded in
-    `dtype` if given as a path; None for a model object), or Nones; ValueError when it is not a
-    model."""
-    if spec is None or spec.method != "draft_model":
-        return None, None
-    if isinstance(spec.model, (str, Path)):
-        from paged_jax.entrypoints.llm import load_model  # the entry point imports the engine
-
-        return load_model(spec.model, dtype=dtype)
-    if not hasattr(spec.model, "init_cache"):
-        raise ValueError(f"speculative_config \"model\" must be a checkpoint directory, a GGUF file or a "
-                         f"paged_jax model, got {type(spec.model).__name__}")
-    return spec.model, None
-
-
-def check_draft_vocabulary(spec, tokenizer, draft_tokenizer) -> None:
-    """ValueError when the draft's tokenizer encodes text other than the target's does (the same
-    vocabulary size may be another vocabulary)."""
-    if tokenizer is None or draft_tokenizer is None:
-        return
-    ours, theirs = tokenizer.encode(VOCABULARY_PROBE), draft_tokenizer.encode(VOCABULARY_PROBE)
-    if ours != theirs:
-        raise ValueError(f"speculative_config draft model {spec.model} has another vocabulary: it encodes "
-                         f"{VOCABULARY_PROBE!r} as {theirs[:12]}..., the target as {ours[:12]}...")

@@ -3,8 +3,9 @@
 The programs are those of short requests at every row bucket r up to max_num_seqs: r prompts
 filling each token bucket up to r x `prompt_len` (the prefill steps; one program serves greedy and
 sampled rows), then two decode calls of r rows, greedy and sampled, and the continuation that
-builds the second call's batch on the device. Longer sequences compile their wider tables when
-they first need them.
+builds the second call's batch on the device; with speculative decoding, r rows verifying k
+proposals each after either call. Longer sequences compile their wider tables when they first
+need them.
 
 Each program is compiled from the plan the scheduler would make, through the runner's own input
 builders (`ModelRunner.compile`), on a pool of threads: nothing runs, the engine is untouched, and
@@ -32,8 +33,10 @@ _CACHED = "/jax/compilation_cache/cache_retrieval_time_sec"
 
 
 def max_prompt_len(config) -> int:
-    """The longest warm-up prompt: max_model_len leaves room for its two decode calls."""
-    return config.max_model_len - 2 * config.num_decode_steps - 1
+    """The longest warm-up prompt: max_model_len leaves room for its two decode calls (or a decode
+    call and a verification)."""
+    steps = config.num_decode_steps
+    return config.max_model_len - 1 - max(2 * steps, steps + config.num_speculative_tokens)
 
 
 def check_prompt_len(config, prompt_len: int) -> None:
@@ -68,6 +71,21 @@ def _decode(config, num_rows: int, length: int, temperature: float) -> Plan:
     return Plan(scheduled=[(s, 1) for s in seqs], is_decode=True, block_tables=tables, num_mapped=mapped)
 
 
+def _verify(config, num_rows: int, length: int, num_tokens: int) -> Plan:
+    """A verification of speculative proposals: decoding rows `length` tokens long, `num_tokens` in
+    all (each row's last token and up to k proposals; stand-ins, whose values select nothing)."""
+    k = config.num_speculative_tokens
+    seqs, tables, mapped = _rows(config, [length] * num_rows, [length + k] * num_rows, 0.0)
+    drafts = {}
+    for i, seq in enumerate(seqs):
+        seq.num_computed = seq.prefill_end = length - 1
+        n = (num_tokens - num_rows) // num_rows + (i < (num_tokens - num_rows) % num_rows)
+        if n:
+            drafts[seq] = [0] * n
+    return Plan(scheduled=[(s, 1 + len(drafts.get(s, ()))) for s in seqs], block_tables=tables,
+                num_mapped=mapped, drafts=drafts)
+
+
 def plans(config, prompt_len: int) -> dict[tuple, Plan]:
     """The warm-up's plans, one per program (keyed by what selects it), batch-1 ones first: the
     programs a first short request needs."""
@@ -82,7 +100,8 @@ def plans(config, prompt_len: int) -> dict[tuple, Plan]:
                  if plan.is_decode else
                  batching.prefill_batch(plan, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                                         max_blocks_per_seq=config.max_blocks_per_seq,
-                                        token_cap=config.max_num_batched_tokens))
+                                        token_cap=config.max_num_batched_tokens,
+                                        num_speculative_tokens=config.num_speculative_tokens))
         key = (plan.is_decode, seqs[0].request.params.temperature > 0 and plan.is_decode,
                tuple(np.shape(x) for x in jax.tree.leaves(batch)))
         out.setdefault(key, plan)
@@ -100,6 +119,11 @@ def plans(config, prompt_len: int) -> dict[tuple, Plan]:
         for n, temperature in [(n, 1.0) for n in lengths] + [(min(prompt_len, room), 0.0)]:
             for call in range(2):  # two calls: the second's tables reach num_decode_steps further
                 add(_decode(config, r, n + 1 + call * steps, temperature))
+        most = r * (1 + config.num_speculative_tokens)  # tokens of r rows verifying k proposals each
+        verifies = {min(1 << b, most) for b in range(r.bit_length(), most.bit_length() + 1)} if most > r else ()
+        for tokens in sorted(verifies):
+            for call in range(2):  # verifications of every token bucket, after either decode call
+                add(_verify(config, r, min(prompt_len, room) + 1 + call * steps, tokens))
     return out
 
 

@@ -37,6 +37,8 @@ class Call:
     start: float  # perf_counter when the step's jitted call began (its inputs built)
     copying: object  # device -> host copies in flight (`_start_copy_out`)
     kind: str  # "decode_" or "": the counters it adds to
+    # Dispatched onto an idle device (the call before it fetched): its start is the device's.
+    timed: bool = False
 
 
 class ModelRunner:

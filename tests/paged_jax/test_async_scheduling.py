@@ -178,9 +178,9 @@ def test_prefill_steps_overlap_and_give_the_serial_outputs(model):
 def test_an_overlapped_plan_that_would_preempt_is_not_made(model):
     """Block size 4, 4 usable blocks: two 8-token prompts fill them, and each row's next token needs
     a block. Planning the call after the prefill while it runs would preempt a row whose token is
-    still PENDING, so no call is planned then: the prefill is processed first, nothing was preempted
-    or allocated meanwhile, and the serial plan after it preempts as usual; the tokens are the
-    greedy reference's."""
+    still PENDING, so no call is planned then: the prefill's output is applied first, and the plan
+    made from it preempts as usual, before that output is reported; the tokens are the greedy
+    reference's."""
     llm = LLM(model, block_size=4, num_blocks=5, max_num_seqs=2, num_decode_steps=4, log_stats=False)
     engine = llm.engine
     prompts = [PROMPT + [1, 2], PROMPT + [3, 4]]
@@ -189,9 +189,11 @@ def test_an_overlapped_plan_that_would_preempt_is_not_made(model):
     assert engine.step() == []  # the prefill, in flight
     seqs = list(engine.scheduler.running)
     assert engine.scheduler.num_free == 0 and engine._in_flight is not None
-    outputs = engine.step()  # nothing planned: the prefill's output processed
-    assert engine._in_flight is None and engine.scheduler.num_preemptions == 0
-    assert engine.scheduler.num_free == 0 and engine.scheduler.running == seqs
+    outputs = engine.step()  # nothing planned while it ran: the next call is planned from its output
+    assert engine.counters["overlapped_calls"] == 0
+    assert engine._in_flight is not None and engine.scheduler.num_preemptions == 1
+    assert {o.request_id: o.outputs[0].token_ids for o in outputs} == {
+        str(i): greedy_reference(model, p, 1) for i, p in enumerate(prompts)}
     assert {s.request.request_id: s.token_ids[8:] for s in seqs} == {o.request_id: o.outputs[0].token_ids
                                                                       for o in outputs}
     done = run_arrivals(llm, [])

@@ -128,6 +128,31 @@ def test_two_processes_serve_one_processs_completions_and_stop_together_on_sigte
     assert "process 1 of 2 follows process 0's steps" in job.output(1)
 
 
+def test_two_speculating_processes_make_the_same_calls(tmp_path):
+    """n-gram speculation in a two-process server: each process's speculator decides by the rows'
+    acceptance, not by costs timed on its own clock, so both run the same calls (a difference would
+    leave a collective waiting) and answer a single process's greedy tokens, some verified."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'
+    job = Job(tmp_path, extra_flags=(("--speculative-config", spec),) * 2)
+    try:
+        job.wait_healthy()
+        fields = dict(temperature=0.0, max_tokens=24)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(job.complete, PROMPTS, [fields] * len(PROMPTS)))
+        with urllib.request.urlopen(job.url + "/metrics", timeout=10) as r:
+            drafts = re.search(r"^vllm:spec_decode_num_drafts_total\{.*\} (\S+)$", r.read().decode(), re.MULTILINE)
+        want = worker.build_llm(1).generate(PROMPTS, SamplingParams(**fields))
+        assert answers == [{"text": w.outputs[0].text, "token_ids": w.outputs[0].token_ids} for w in want]
+        assert drafts and float(drafts[1]) > 0
+        job.procs[0].send_signal(signal.SIGTERM)
+        assert job.wait_exits() == [0, 0], job.outputs()
+        lead = re.search(r"process 0 stopped its followers after (.*)\n", job.output(0))
+        follow = re.search(r"process 1 stopped with process 0 after (.*)\n", job.output(1))
+        assert lead and follow and lead[1] == follow[1], job.outputs()
+    finally:
+        job.close()
+
+
 def test_a_follower_whose_process_0_is_killed_stops_with_one_line(job):
     job.wait_healthy()
     job.procs[0].kill()

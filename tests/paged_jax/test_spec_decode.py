@@ -238,6 +238,35 @@ def test_speculation_rests_where_proposals_fail():
     assert spec.propose([_sequence(seq.token_ids, max_tokens=8)]) == {}
 
 
+def test_calls_are_planned_ahead_only_while_proposing_finds_nothing():
+    """After the n-th propose in a row that chose nothing (no verification, no probe), min(n,
+    MAX_QUIET_CALLS) calls may be planned before the last call's tokens are known, each letting the
+    rows' rates recover as a call without proposals does; a chosen proposal or a probe ends it. An
+    untimed speculator (a multi-process engine's) verifies by the rows' acceptance alone."""
+    def make(timed=True):
+        return speculative.Speculator(speculative.SpeculativeConfig("ngram", 4, 1, 2), max_model_len=100,
+                                      max_num_seqs=8, max_num_batched_tokens=64, timed=timed)
+
+    spec, seq = make(), _sequence([3, 4, 5, 6, 7, 8, 9])  # nothing repeats: no proposal
+    assert not spec.quiet
+    for n in range(1, 6):
+        assert spec.propose([seq]) == {}
+        calls = 0
+        while spec.quiet:
+            rate = seq.spec_rate = 0.5
+            spec.planned_ahead([seq])
+            assert seq.spec_rate == rate + (1 - rate) * speculative.RATE_RECOVERY
+            calls += 1
+        assert calls == min(n, speculative.MAX_QUIET_CALLS)
+    spec.observe(spec.step_key(1), 0.010)
+    spec.observe(spec.verify_key(5), 0.030)  # a match would pay: the next calls probe, planned from tokens
+    assert spec.propose([seq]) == {} and not spec.quiet
+    repeating = _sequence([3, 4, 5, 6, 3, 4, 5, 6, 3])
+    assert spec.propose([repeating]) == {repeating: [4, 5, 6, 3]} and not spec.quiet
+    assert make().propose([repeating]) == {}  # no cost timed yet: a plain decode call first
+    assert make(timed=False).propose([repeating]) == {repeating: [4, 5, 6, 3]}
+
+
 def test_greedy_outputs_equal_the_plain_engines(model, untimed_speculation):
     """Twelve greedy requests on a pool small enough to preempt, sharing prompt prefixes, each
     stopping its own way (a stop string, a stop token, max_tokens, EOS) at points inside accepted
@@ -312,6 +341,55 @@ def test_seeded_sampling_with_speculation_is_reproducible(model, untimed_specula
     assert runs[0] == runs[1] and runs[0][0] != runs[0][1] and all(len(r) == 30 for r in runs[0])
 
 
+def test_speculation_overlaps_the_output_side_and_plans_ahead_while_it_rests(model, untimed_speculation):
+    """Async scheduling with n-gram speculation: every call's output side (text, stop strings)
+    runs after the next call was dispatched, verifications included, so the device never waits for
+    it; while no row has a proposal worth verifying, calls are planned before the last one's tokens
+    are known (`overlapped_calls`). The tokens, texts and finishes equal the serial plain engine's
+    and the serial speculative engine's; each pool drains."""
+    rng = np.random.default_rng(3)
+    ids = [rng.integers(1, 128, int(n)).tolist() for n in rng.integers(4, 20, 6)]
+    g = greedy_reference(model, ids[3], 12)  # it repeats 67 113 30 74 110 from its 7th token
+    prompts = [" ".join(f"w{t}" for t in prompt) for prompt in ids]
+    params = [SamplingParams(temperature=0.0, max_tokens=int(m), stop=[f"w{g[9]} w{g[10]} w{g[11]}"] if i == 3 else [])
+              for i, m in enumerate(rng.integers(20, 48, 6))]
+    spec = {**NGRAM, "prompt_lookup_min": 2}
+    results = {}
+    for config, overlap in ((None, False), (spec, False), (spec, True)):
+        llm = LLM(model, tokenizer=word_tokenizer(), block_size=4, num_blocks=64, max_num_seqs=4,
+                  num_decode_steps=4, log_stats=False, speculative_config=config, async_scheduling=overlap)
+        engine, events = llm.engine, []
+        dispatch, report = engine.model_runner.dispatch, engine.output_processor.process_outputs
+
+        def dispatched(plan, *args, **kwargs):
+            events.append(("dispatch", plan))
+            return dispatch(plan, *args, **kwargs)
+
+        def reported(plan, *args):
+            events.append(("report", plan))
+            return report(plan, *args)
+
+        engine.model_runner.dispatch, engine.output_processor.process_outputs = dispatched, reported
+        outs = llm.generate(prompts, params)
+        results[(config is not None, overlap)] = [(o.outputs[0].token_ids, o.outputs[0].text,
+                                                   o.outputs[0].finish_reason) for o in outs]
+        assert_pool_drained(llm)
+        s = llm.stats()
+        if not overlap:
+            assert s["overlapped_calls"] == 0
+            continue
+        assert s["spec_decode_num_drafts"] > 0 and s["overlapped_calls"] >= 2
+        dispatched_at = [at for at, (kind, _) in enumerate(events) if kind == "dispatch"]
+        order = {id(events[at][1]): i for i, at in enumerate(dispatched_at)}
+        for at, (kind, plan) in enumerate(events):
+            i = order[id(plan)]
+            if kind == "report" and i + 1 < len(dispatched_at):  # the next call was dispatched first
+                assert dispatched_at[i + 1] < at, (i, len(dispatched_at))
+        assert any(kind == "report" and plan.drafts for kind, plan in events)
+    assert results[(True, True)] == results[(True, False)] == results[(False, False)]
+    assert results[(False, False)][3][2] == "stop" and results[(False, False)][3][0] == g
+
+
 def test_metrics_count_drafts_and_accepted_tokens_per_position(model, untimed_speculation):
     """/metrics's vLLM counters (prometheus text) equal llm.stats(), per position included."""
     from prometheus_client import generate_latest
@@ -375,8 +453,9 @@ def test_draft_model_greedy_outputs_equal_the_plain_engines(model, untimed_specu
         assert_pool_drained(llm)
         if name == "noisy":
             assert s["spec_decode_num_drafts"] > 10 and 0.1 < s["spec_decode_acceptance_rate"] < 0.95
-        if name == "random":  # it rests soon: a few verifications, few drafts accepted
+        if name == "random":  # it rests soon: a few verifications, few drafts accepted, calls planned ahead
             assert s["spec_decode_num_drafts"] > 0 and s["spec_decode_acceptance_rate"] < 0.1
+            assert s["overlapped_calls"] > 0
         if name == "self":
             assert s["num_blocks_swapped_in"] > 0 and s["host_prefix_cache_blocks_in"] > 0, s
             assert s["spec_decode_num_drafts"] > 10 and s["spec_decode_acceptance_rate"] == 1.0
@@ -435,3 +514,26 @@ def test_a_draft_with_another_vocabulary_of_the_same_size_is_refused(tmp_path):
     (other / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(ValueError, match="draft model .*other has another vocabulary: it encodes .The quick"):
         LLM(str(embedded), num_blocks=40, max_num_seqs=2, log_stats=False, speculative_config=_draft(str(other)))
+
+
+def test_warm_up_compiles_the_verifications(model, untimed_speculation):
+    """With speculation the warm-up also compiles every verification a short request makes (each
+    token bucket of 1 + up to k tokens per row): a workload whose rows verify full and partial
+    proposals, alone and two at a time, compiles nothing after it."""
+    from tests.paged_jax.test_engine_api import counting_compiles
+
+    llm = LLM(model, block_size=8, num_blocks=64, max_num_seqs=2, num_decode_steps=4, log_stats=False,
+              speculative_config=NGRAM)
+    report = llm.engine.warm_up(prompt_len=8)
+    assert report["programs"] > 0
+    prompt = [5, 17, 99, 3, 42, 8, 5, 17, 99, 3]
+    reference, answers = greedy_reference(model, prompt, 17), []
+    with counting_compiles() as compiles:
+        for n in (1, 2, 1):
+            outs = llm.generate([prompt] * n, SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True))
+            answers += [o.outputs[0].token_ids for o in outs]
+    assert answers == [reference] * 4
+    s = llm.stats()
+    assert compiles == [], compiles
+    assert s["spec_decode_num_drafts"] > 0
+    assert s["spec_decode_num_draft_tokens"] < 3 * s["spec_decode_num_drafts"]  # some partial proposals
