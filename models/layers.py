@@ -54,6 +54,17 @@ def causal_attention(
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
+def project(spec: str, h, w, name: str):
+    """`jnp.einsum(spec, h, w[name])`. An int8 weight (models/quantize.py) is widened to h's dtype
+    inside the product, which accumulates in f32 and is scaled per output channel by
+    w[name + "_scale"] after it, so the weight is read as int8."""
+    scale = w.get(name + "_scale")
+    if scale is None:
+        return jnp.einsum(spec, h, w[name])
+    out = jnp.einsum(spec, h, w[name].astype(h.dtype), preferred_element_type=jnp.float32)
+    return (out * scale).astype(h.dtype)
+
+
 def self_attention(
     h,  # [..., hidden_size], already normalised
     w,  # one layer's weights
@@ -65,23 +76,23 @@ def self_attention(
 ):
     """q/k/v projections (with Qwen's biases, Qwen3's per-head q/k norms), RoPE, attention, the
     output projection -> ([..., hidden_size], attn_state)."""
-    q = jnp.einsum("...d,dhk->...hk", h, w["wq"])
-    k = jnp.einsum("...d,dhk->...hk", h, w["wk"])
-    v = jnp.einsum("...d,dhk->...hk", h, w["wv"])
+    q = project("...d,dhk->...hk", h, w, "wq")
+    k = project("...d,dhk->...hk", h, w, "wk")
+    v = project("...d,dhk->...hk", h, w, "wv")
     if "bq" in w:
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
     if "q_norm" in w:
         q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
     out, attn_state = attention(rope(q, cos, sin), rope(k, cos, sin), v, attn_state)
-    o = jnp.einsum("...hk,hkd->...d", out, w["wo"])
+    o = project("...hk,hkd->...d", out, w, "wo")
     return (o + w["bo"] if "bo" in w else o), attn_state
 
 
 def gated_mlp(h, w, activation):  # h [..., hidden_size] -> [..., hidden_size]
     """SwiGLU (activation silu) or GeGLU (gelu): down(activation(gate(h)) * up(h))."""
-    gate = jnp.einsum("...d,df->...f", h, w["w_gate"])
-    up = jnp.einsum("...d,df->...f", h, w["w_up"])
-    return jnp.einsum("...f,fd->...d", activation(gate) * up, w["w_down"])
+    gate = project("...d,df->...f", h, w, "w_gate")
+    up = project("...d,df->...f", h, w, "w_up")
+    return project("...f,fd->...d", activation(gate) * up, w, "w_down")
 
 
 def window_period(windows) -> int:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.layers import causal_attention, gated_mlp, rms_norm, scan_layers, self_attention
+from models.quantize import head_logits
 from models.llama_config import (ARCHITECTURES, PRESETS, SUPPORTED_DTYPES, LlamaConfig, hf_common_fields, preset,
                                  rope_inv_freq)
 from pallas_kernels.quantization import storage_dtype
@@ -96,7 +97,11 @@ class Llama(nnx.Module):
 
     def embed_tokens(self, tokens):  # i32[...] -> [..., hidden_size]
         with jax.named_scope("embed"):
-            return self.embed[...][tokens]
+            rows = self.embed[...][tokens]
+            scale = getattr(self, "embed_scale", None)  # int8 rows (models/quantize.py)
+            if scale is None:
+                return rows
+            return (rows * scale[...][tokens][..., None]).astype(self.config.dtype)
 
     def decoder_layer(
         self,
@@ -134,9 +139,12 @@ class Llama(nnx.Module):
         return scan_layers(layer, x, self.layers.arrays(), self.config.layer_windows, attention, attn_state)
 
     def lm_head_logits(self, h):  # h [..., hidden], normalised -> f32[..., vocab]
-        if self.lm_head is None:
-            return jnp.einsum("...d,vd->...v", h, self.embed[...], preferred_element_type=jnp.float32)
-        return jnp.einsum("...d,dv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
+        tied = self.lm_head is None
+        head, scale = (self.embed, getattr(self, "embed_scale", None)) if tied else (
+            self.lm_head, getattr(self, "lm_head_scale", None))
+        if scale is not None:  # int8 (models/quantize.py)
+            return head_logits(h, head[...], scale[...], tied=tied)
+        return jnp.einsum("...d,vd->...v" if tied else "...d,dv->...v", h, head[...], preferred_element_type=jnp.float32)
 
     def logits(self, x):  # x [..., hidden] -> f32[..., vocab]
         with jax.named_scope("lm_head"):

@@ -1,6 +1,7 @@
 """Greedy decoding speed of a real GGUF model, side by side in one run: the paged engine (f32, the
-`LLM(gguf)` defaults a user gets), Hugging Face transformers' `generate` on the same dequantized
-weights (f32), and llama.cpp on the file's own quantized weights, at each batch size.
+`LLM(gguf)` defaults a user gets; and with `quantization="int8"`, its matmul weights as int8),
+Hugging Face transformers' `generate` on the same dequantized weights (f32), and llama.cpp on the
+file's own quantized weights, at each batch size.
 
     python scripts/benchmark_gguf.py                      # SmolLM2-135M-Instruct, batch 1 and 8
     python scripts/benchmark_gguf.py --model FILE.gguf --batch-sizes 1 8 32 --output-len 64
@@ -11,6 +12,8 @@ time leaves out jit compile time (timed apart); transformers and llama.cpp get o
 call first. torch and llama.cpp run --threads threads; XLA uses every core. llama.cpp needs
 `pip install llama-cpp-python` (an optional dependency: a CPU build from source, several minutes);
 its Python binding decodes one sequence at a time, so its batch B is the B prompts one after another.
+Each answer is compared with the f32 engine's (equal, and the tokens before they first differ), and
+each engine row scores a fixed text (perplexity through prompt_logprobs): what int8 weights cost.
 """
 from __future__ import annotations
 
@@ -34,16 +37,38 @@ QUESTIONS = ("What is the capital of France?", "Why is the sky blue?", "Write a 
              "What causes the seasons on Earth?", "Explain what a hash table is.")
 COLUMNS = [("name", "method", "s"), ("batch", "batch", "d"), ("output_tok_s", "output tok/s", ".1f"),
            ("ratio", "x HF", ".2f"), ("run_s", "run s", ".2f"), ("compile_s", "compile s", ".1f"),
-           ("same_tokens", "same tokens", ".0%")]
+           ("same_tokens", "same tokens", ".0%"), ("common_prefix", "common prefix", ".1f"),
+           ("perplexity", "perplexity", ".3f")]
+# Scored by the engine (prompt_logprobs) with each weight format: what int8 weights cost in quality.
+PERPLEXITY_TEXT = (
+    "The quick brown fox jumps over the lazy dog. The dog did not move, because it was asleep in the warm "
+    "afternoon sun, and the fox ran on into the forest to look for its family.\n\ndef total_price(items, "
+    "tax_rate):\n    subtotal = 0\n    for item in items:\n        subtotal += item.price * item.quantity\n"
+    "    return subtotal * (1 + tax_rate)\n\nPhotosynthesis is the process by which green plants use "
+    "sunlight, water and carbon dioxide to make glucose and release oxygen.")
 
 
-def engine_row(model, tokenizer, prompts, output_len: int) -> dict:
-    llm = LLM(model, tokenizer=tokenizer, log_stats=False)  # sized as a user gets it, not to the batch
+def perplexity(llm) -> float:
+    """exp of the mean negative log-likelihood of PERPLEXITY_TEXT's tokens after the first."""
+    out, = llm.generate(PERPLEXITY_TEXT, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    ids = out.prompt_token_ids
+    return float(np.exp(-np.mean([entry[t].logprob for t, entry in zip(ids[1:], out.prompt_logprobs[1:])])))
+
+
+def engine_row(model, tokenizer, prompts, output_len: int, quantization: str | None = None) -> dict:
+    llm = LLM(model, tokenizer=tokenizer, log_stats=False, quantization=quantization)  # sized as a user gets it
     params = [SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)] * len(prompts)
     row = benchlib.run_engine(llm, prompts, params)
     c = llm.engine.config
-    return dict(name=f"paged-jax ({c.num_blocks} blocks, {c.max_num_seqs} seqs)", run_s=row["run_s"], compile_s=row["compile_s"],
-                answers=[o.outputs[0].token_ids for o in row["outputs"]])
+    weights = f", {quantization} weights" if quantization else ""
+    return dict(name=f"paged-jax ({c.num_blocks} blocks, {c.max_num_seqs} seqs{weights})", run_s=row["run_s"],
+                compile_s=row["compile_s"], answers=[o.outputs[0].token_ids for o in row["outputs"]],
+                perplexity=perplexity(llm))
+
+
+def common_prefix(a, b) -> int:
+    """Tokens two answers share before they first differ."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def hf_row(hf, prompts, output_len: int) -> dict:
@@ -70,6 +95,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch's and llama.cpp's threads")
     ap.add_argument("--no-hf", action="store_true", help="skip Hugging Face generate")
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
+    ap.add_argument("--no-int8", action="store_true", help="skip the engine with int8 weights (quantization='int8')")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     path = args.model or fetch_model.fetch("smollm2-135m-instruct")
@@ -85,6 +111,8 @@ def main(argv=None):
         questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(batch)]
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=True) for q in questions]
         group = [engine_row(model, tokenizer, prompts, args.output_len)]
+        if not args.no_int8:
+            group.append(engine_row(model, tokenizer, prompts, args.output_len, "int8"))
         if cpp is not None:
             group.append(llama_cpp_row(cpp, prompts, args.output_len, args.threads))
         if hf is not None:
@@ -93,13 +121,15 @@ def main(argv=None):
         for row in group:
             answers = row.pop("answers")
             row.update(batch=batch, output_tok_s=batch * args.output_len / row["run_s"],
-                       same_tokens=float(np.mean([a == b for a, b in zip(answers, reference)])))
+                       same_tokens=float(np.mean([a == b for a, b in zip(answers, reference)])),
+                       common_prefix=float(np.mean([common_prefix(a, b) for a, b in zip(answers, reference)])))
         for row in group:
             row["ratio"] = row["output_tok_s"] / group[-1]["output_tok_s"] if hf is not None else None
         rows += group
     print(f"{Path(path).name}: {benchlib.num_params(model) / 1e6:.0f}M params, f32 after dequantizing (llama.cpp: "
           f"as stored); greedy, {args.output_len} new tokens per request, chat-templated questions; ratios "
-          f"against HF generate; same tokens: share of answers equal to the engine's")
+          f"against HF generate; same tokens: share of answers equal to the f32 engine's; common prefix: "
+          f"their mean tokens before the first difference; perplexity: of a fixed text, scored by the engine")
     benchlib.print_table(rows, COLUMNS)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(model=str(path), output_len=args.output_len, rows=rows),

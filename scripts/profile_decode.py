@@ -5,6 +5,7 @@ rest (norms, residuals, the loop).
 
     python scripts/profile_decode.py                        # SmolLM2-135M-Instruct, batch 1 and 8
     python scripts/profile_decode.py --model FILE.gguf --batch-sizes 1 8 32
+    python scripts/profile_decode.py --quantization int8    # the weights read as int8
 
 A decode call of B rows runs `num_decode_steps` steps from position 64, outside the engine (the
 runner's own inputs and program: `ModelRunner._decode_inputs`, `runner.decode_steps`), greedy.
@@ -71,10 +72,14 @@ def decode_call(llm, rows: int):
 def part(line: str, vocab: int) -> str:
     """The part of the model an optimized-HLO instruction belongs to (its shape, opcode, scope)."""
     result = line.split("=", 1)[1]
+    if "/lm_head/" in line:  # its dots, and with int8 weights the chunks of the vocabulary it slices
+        return "LM head"
     if re.search(r"\bdot\(|__ynn_fusion|kind=kCustom", line):
         return "LM head" if re.search(rf"\[\d+,{vocab}\]", result[:60]) else "layer matmuls"
     if re.match(r"\s*%dynamic-slice", line) and "/layers/" not in line.split("metadata")[0]:
         return "weight slices"  # the layer scan's copy of a layer's slice of a stacked weight
+    if re.match(r"\s*%convert\w*fusion", line) and "/layers/" in line:
+        return "weight slices"  # int8 weights: a layer's slice widened to the activations' dtype
     if "/attention/" in line:
         return "attention"
     if "/layers/" not in line and str(vocab) in line:
@@ -104,8 +109,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="a GGUF file or checkpoint (default: smollm2-135m-instruct, scripts/fetch_model.py)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--quantization", choices=["int8"], help="the model's matmul weights as int8 (LLM's quantization)")
     args = ap.parse_args(argv)
-    llm = LLM(args.model or fetch_model.fetch("smollm2-135m-instruct"), log_stats=False)
+    llm = LLM(args.model or fetch_model.fetch("smollm2-135m-instruct"), log_stats=False, quantization=args.quantization)
     c, vocab = llm.engine.config, llm.engine.model_config.vocab_size
     weights = sum(x.nbytes for x in jax.tree.leaves(llm.engine.model_runner.params))
     read, copy = bandwidth()

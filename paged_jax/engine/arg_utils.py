@@ -13,6 +13,7 @@ import functools
 
 import jax.numpy as jnp
 
+from models import quantize
 from paged_jax import attention
 from paged_jax.engine import config as config_lib
 from paged_jax.engine import spec_config
@@ -47,6 +48,8 @@ class EngineArgs:
     seed: int = _arg(0, int, "seeds requests that carry no seed of their own")
     dtype: str | None = _arg(None, str, "the weights' dtype when loading a checkpoint (default: the "
                                         "checkpoint's)")
+    quantization: str | None = _arg(None, str, "weight-only quantization of the model's matmul weights: int8 "
+                                                "(a scale per output channel; models/quantize.py)")
     tensor_parallel_size: int = _arg(1, int, "devices the model's heads are split over")
     kv_cache_dtype: str = _arg("auto", str, "auto (the model's dtype), int8 or fp8_e4m3 (quantized pages)")
     preemption_mode: str = _arg("recompute", str, "recompute (vLLM V1) or swap (to host memory)")
@@ -73,6 +76,7 @@ class EngineArgs:
             raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, got {t!r}")
         if self.dtype not in (None, *DTYPES):
             raise ValueError(f"dtype must be one of {DTYPES} (or None: the checkpoint's), got {self.dtype!r}")
+        quantize.check(self.quantization)
         if self.preemption_mode not in config_lib.PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {config_lib.PREEMPTION_MODES}, "
                              f"got {self.preemption_mode!r}")

@@ -15,6 +15,7 @@ import time
 import jax
 import numpy as np
 
+from models.quantize import quantize
 from paged_jax.core.async_scheduler import AsyncScheduler
 from paged_jax.core.host_pool import HostBlockPool
 from paged_jax.core.prefix_cache import PrefixCache
@@ -48,6 +49,7 @@ class LLMEngine:
         args = self.engine_args = engine_args or EngineArgs(**kwargs)
         mesh = args.create_mesh(mesh)
         draft, draft_tokenizer = spec_config.load_draft_model(args.speculative_config, dtype=args.dtype)
+        model, draft = quantize(model, args.quantization), draft and quantize(draft, args.quantization)
         if mesh is not None:
             model = sharding.shard_model(model, mesh)
             draft = draft and sharding.shard_model(draft, mesh)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from paged_jax.engine.arg_utils import EngineArgs
 from paged_jax.engine.beam_search import BeamSearchOutput, beam_search
+from models.quantize import quantize
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.outputs import RequestOutput
 from paged_jax.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -60,10 +61,12 @@ class LLM:
         given, wins and gives the KV that fraction of what the weights leave (engine.config.kv_budget_bytes).
         `kv_cache_dtype` "int8" and "fp8_e4m3" store the pages quantized with a scale per (token, KV
         head), about half (bf16) or a quarter (f32) of the bytes per block, so more blocks in the
-        same budget. `mesh`, `preemption_mode`, `async_scheduling`: see LLMEngine."""
+        same budget. `quantization` "int8" stores the matmul weights as int8 (models/quantize.py).
+        `mesh`, `preemption_mode`, `async_scheduling`: see LLMEngine."""
         args = EngineArgs(**kwargs)
         if isinstance(model, (str, Path)):
             model, found = load_model(model, dtype=args.dtype)
+            model = quantize(model, args.quantization)  # before sizing: the unquantized weights are freed
             tokenizer = tokenizer or found
         self.engine = LLMEngine(model, tokenizer, mesh=mesh, engine_args=args)
         self._ids = itertools.count()

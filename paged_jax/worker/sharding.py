@@ -29,6 +29,10 @@ PARAM_SPECS = {
     "bq": P(None, AXIS, None), "bk": P(None, AXIS, None), "bv": P(None, AXIS, None),
     "wo": P(None, AXIS, None, None),
     "w_gate": P(None, None, AXIS), "w_up": P(None, None, AXIS), "w_down": P(None, AXIS, None),
+    # int8 weights' scales (models/quantize.py): one per output channel, split as those channels are
+    "wq_scale": P(None, AXIS, None), "wk_scale": P(None, AXIS, None), "wv_scale": P(None, AXIS, None),
+    "wo_scale": P(), "w_gate_scale": P(None, AXIS), "w_up_scale": P(None, AXIS), "w_down_scale": P(),
+    "embed_scale": P(), "lm_head_scale": P(AXIS),
 }
 
 
@@ -84,7 +88,8 @@ def replicate_kv_heads(model, tp: int):
     print(f"paged-jax: {config.num_kv_heads} KV heads on {tp} devices: each KV head is replicated "
           f"on {factor} devices (its K/V computed and cached {factor} times)", file=sys.stderr)
     layers = model.layers
-    for name, axis in (("wk", 2), ("wv", 2), ("bk", 1), ("bv", 1)):  # wk [L, hidden, kv_heads, d]; bk [L, kv_heads, d]
+    # wk [L, hidden, kv_heads, d]; bk and an int8 wk's scales [L, kv_heads, d]
+    for name, axis in (("wk", 2), ("wv", 2), ("bk", 1), ("bv", 1), ("wk_scale", 1), ("wv_scale", 1)):
         if name in layers.names:
             setattr(layers, name, nnx.Param(jnp.repeat(getattr(layers, name)[...], factor, axis=axis)))
     model.config = dataclasses.replace(config, num_kv_heads=tp)

@@ -88,6 +88,23 @@ def test_an_int8_cache_shards_its_scales_with_its_pages_and_gives_one_devices_to
     assert split == single
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_int8_weights_shard_their_scales_with_their_channels_and_give_one_devices_tokens(tp):
+    """quantization="int8" with an untied head: each shard's int8 weights and their per-channel
+    scales (heads, MLP columns, vocabulary split alike; tp=4 replicates each KV head and its scales)
+    give the single-device int8 engine's greedy tokens."""
+    config = tiny_config(tie_word_embeddings=False)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engines = [LLM(random_model(config), block_size=8, num_blocks=32, max_num_seqs=4, log_stats=False,
+                   quantization="int8", tensor_parallel_size=n) for n in (1, tp)]
+    layers = nnx.merge(engines[1].engine.model_runner.graphdef, engines[1].engine.model_runner.params).layers
+    assert layers.wq[...].dtype == jnp.int8 and spec_of(layers.wq[...]) == P(None, None, "model", None)
+    assert spec_of(layers.wq_scale[...]) == P(None, "model", None) and spec_of(layers.w_up_scale[...]) == P(None, "model")
+    assert layers.wk_scale[...].shape[1] == max(config.num_kv_heads, tp)
+    single, split = ([o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)] for llm in engines)
+    assert split == single
+
+
 def test_speculative_decoding_on_two_shards_gives_one_devices_tokens(untimed_speculation):
     """n-gram proposals verified on a tp=2 engine: the plain single-device engine's greedy tokens."""
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

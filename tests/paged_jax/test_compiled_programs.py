@@ -12,7 +12,10 @@ attention backend the engine picks on CPU ("reference"), with pages in the model
 The first decode case is the one the issue found: one row, tables 4 blocks wide (a single-token
 write XLA turned into a dynamic-update-slice and recomputed inside the attention's gather).
 
-Each compile takes 5-20 s on a loaded 2-core machine: CI runs CASES (9 compiles, each family once);
+With int8 weights (quantization="int8", INT8_CASES), no convert of a whole weight stack or LM head
+to f32 either: each is widened where a product reads a slice of it.
+
+Each compile takes 5-20 s on a loaded 2-core machine: CI runs CASES and INT8_CASES (12 compiles);
 `-m slow` runs the rest of the matrix (SWEEP, 63 compiles). bf16 fails on CPU today (BF16_ON_CPU). "pallas-interpret" is not in the matrix:
 jax's Pallas interpreter materialises each kernel's blocks (for the paged kernels, a KV head's whole
 page array per grid step) by design; it is a simulator for kernel tests, not a serving path."""
@@ -25,6 +28,7 @@ import pytest
 from flax import nnx
 
 from models.checkpoint import MODEL_REGISTRY
+from models.quantize import quantize
 from paged_jax.worker import hlo_audit, programs
 
 CONFIGS = Path(__file__).parent.parent / "data" / "configs"
@@ -55,10 +59,18 @@ SWEEP = [case for case in itertools.product(MODELS, ("float32", "bfloat16"), ("a
          if case not in CASES]
 
 
-def load_model(name, dtype):
+# quantization="int8": the layers' weights and the head stay int8 in the program, each widened where a
+# product reads it (a layer's slice, a chunk of the vocabulary), never the whole stack or head at once.
+INT8_CASES = [("smollm2-135m-instruct", "float32", "auto", "decode-greedy"),
+              ("mistral-7b-v0.1", "float32", "auto", "decode-sampled"),  # an untied head
+              ("gemma-2-2b", "float32", "int8", "prefill")]
+
+
+def load_model(name, dtype, quantization=None):
     hf = json.loads((CONFIGS / f"{name}.json").read_text())
     spec = MODEL_REGISTRY[hf["model_type"]]
-    return programs.abstract_model(spec.model_cls, spec.config_cls.from_hf_config(hf, dtype=dtype))
+    config = spec.config_cls.from_hf_config(hf, dtype=dtype)
+    return nnx.eval_shape(lambda: quantize(spec.model_cls(config, rngs=nnx.Rngs(0)), quantization))
 
 
 def compile_program(model, sizing, program):
@@ -100,8 +112,8 @@ def num_blocks(config, kv_cache_dtype, bound) -> int:
     return max(SIZING["max_num_seqs"] * SIZING["max_model_len"] // SIZING["block_size"] + 1, 2 * bound // per_block + 1)
 
 
-def check(name, dtype, kv_cache_dtype, program):
-    model = load_model(name, dtype)
+def check(name, dtype, kv_cache_dtype, program, quantization=None):
+    model = load_model(name, dtype, quantization)
     bound = batch_bound(model.config, program)
     sizing = programs.Sizing(num_blocks=num_blocks(model.config, kv_cache_dtype, bound), **SIZING,
                              kv_cache_dtype=kv_cache_dtype)
@@ -122,6 +134,11 @@ def cases(entries):
 @pytest.mark.parametrize("name,dtype,kv_cache_dtype,program", cases(CASES))
 def test_no_copy_of_pages_or_weights(name, dtype, kv_cache_dtype, program):
     check(name, dtype, kv_cache_dtype, program)
+
+
+@pytest.mark.parametrize("name,dtype,kv_cache_dtype,program", INT8_CASES)
+def test_no_copy_of_pages_or_int8_weights(name, dtype, kv_cache_dtype, program):
+    check(name, dtype, kv_cache_dtype, program, quantization="int8")
 
 
 @pytest.mark.slow
