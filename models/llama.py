@@ -21,9 +21,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.layers import causal_attention, gated_mlp, rms_norm, scan_layers, self_attention
-from models.quantize import head_logits
 from models.llama_config import (ARCHITECTURES, PRESETS, SUPPORTED_DTYPES, LlamaConfig, hf_common_fields, preset,
                                  rope_inv_freq)
+from models.quantize import head_logits
 from pallas_kernels.quantization import storage_dtype
 from paged_jax.attention import AttentionMetadata, KVCache, attend
 
@@ -144,7 +144,8 @@ class Llama(nnx.Module):
             self.lm_head, getattr(self, "lm_head_scale", None))
         if scale is not None:  # int8 (models/quantize.py)
             return head_logits(h, head[...], scale[...], tied=tied)
-        return jnp.einsum("...d,vd->...v" if tied else "...d,dv->...v", h, head[...], preferred_element_type=jnp.float32)
+        spec = "...d,vd->...v" if tied else "...d,dv->...v"
+        return jnp.einsum(spec, h, head[...], preferred_element_type=jnp.float32)
 
     def logits(self, x):  # x [..., hidden] -> f32[..., vocab]
         with jax.named_scope("lm_head"):

@@ -60,7 +60,8 @@ def head_logits(h, q, scale, *, tied: bool):
 
     def chunk(i):
         start = i * rows
-        return part(jax.lax.dynamic_slice_in_dim(q, start, rows, axis), jax.lax.dynamic_slice_in_dim(scale, start, rows))
+        return part(jax.lax.dynamic_slice_in_dim(q, start, rows, axis),
+                    jax.lax.dynamic_slice_in_dim(scale, start, rows))
 
     out = jnp.moveaxis(jax.lax.map(chunk, jnp.arange(chunks)), 0, -2)  # [..., chunks, rows]
     out = out.reshape(*out.shape[:-2], chunks * rows)
