@@ -235,9 +235,8 @@ class LLMEngine:
         """Fetch a call's output and apply what the next plan depends on: the scheduler's
         transitions, the speculator's acceptance and costs, the grammars' advance -> (output,
         progressed) for `_report`."""
-        plan, ready = call.plan, call.out.tokens.is_ready()
-        output = self.model_runner.fetch(call)
-        if self.speculator and call.timed and not ready:  # the host waited for it: timed to its end
+        plan, output = call.plan, self.model_runner.fetch(call)
+        if self.speculator and call.timed:  # dispatched onto an idle device: its time in the pipeline
             self.speculator.observe_call(plan, int(output.steps), time.perf_counter() - call.start)
         progressed = self.scheduler.update_from_output(plan, output)
         if self.speculator:
