@@ -19,6 +19,10 @@ On a CPU the "device" is the host's own cores: host work there slows the device'
 the schedule. `--host-core N` gives the engine's host thread core N alone and the CPU device's
 compute threads the other cores, as a GPU computes apart from its host, so that what the overlap
 hides is measured rather than lost to the shared cores.
+
+`--num-requests` above `--batch-size` keeps requests waiting while the batch decodes, as on a
+saturated server: each decode call then runs with requests waiting, and the call after it admits
+them where rows reach their max_tokens.
 """
 from __future__ import annotations
 
@@ -81,7 +85,7 @@ class DeviceTimeline:
 
 def run_once(llm, args, prompts) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    r = benchlib.run_engine(llm, prompts, [params] * args.batch_size)
+    r = benchlib.run_engine(llm, prompts, [params] * len(prompts))
     if any(len(o.outputs[0].token_ids) != args.output_len for o in r["outputs"]):
         raise RuntimeError(f"a request did not get exactly {args.output_len} tokens: the timings would not compare")
     m = [o.metrics for o in r["outputs"]]
@@ -107,7 +111,7 @@ def measure(model, args, seq_len, rng) -> dict:
     for i in range(args.num_iters_warmup + args.num_iters):
         if i == args.num_iters_warmup:
             before = {o: dict(llm.stats(), device_busy=timelines[o].busy_seconds()) for o, llm in llms.items()}
-        prompts = [rng.integers(0, args.vocab_size, args.input_len).tolist() for _ in range(args.batch_size)]
+        prompts = [rng.integers(0, args.vocab_size, args.input_len).tolist() for _ in range(args.num_requests)]
         for o in (False, True) if i % 2 == 0 else (True, False):
             (warmup if i < args.num_iters_warmup else runs)[o].append(run_once(llms[o], args, prompts))
     sys.setswitchinterval(switch)
@@ -135,7 +139,7 @@ def summarize(args, warmup, runs, before, after):
                "decode per token (ms)": [t for r in runs for t in r["tpot_ms"]]}
     rows = [dict(name=name, **benchlib.percentiles(values, QUANTILES)) for name, values in metrics.items()]
     tok_s = dict(decode=args.batch_size / np.median(metrics["decode per token (ms)"]) * 1e3,
-                 end_to_end=args.batch_size * args.output_len / np.median(latency))
+                 end_to_end=args.num_requests * args.output_len / np.median(latency))
     return host, summary, rows, metrics, tok_s
 
 
@@ -159,6 +163,8 @@ def main(argv=None):
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--num-requests", type=int, help="requests per run (default: --batch-size); more keep requests "
+                    "waiting while the batch decodes, as on a saturated server")
     ap.add_argument("--num-iters-warmup", type=int, default=2, help="vLLM: 10; fewer on a CPU")
     ap.add_argument("--num-iters", type=int, default=5, help="vLLM: 30; fewer on a CPU")
     ap.add_argument("--block-size", type=int, default=16)
@@ -170,6 +176,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.num_iters_warmup < 1 or args.num_iters < 1:
         ap.error("--num-iters-warmup and --num-iters must be at least 1 (the first run compiles)")
+    args.num_requests = args.num_requests or args.batch_size
+    if args.num_requests < args.batch_size:
+        ap.error(f"--num-requests {args.num_requests} is below --batch-size {args.batch_size}: the batch would not fill")
     if args.host_core is not None:
         pin_host(args.host_core)
     seq_len = args.input_len + args.output_len
@@ -178,8 +187,8 @@ def main(argv=None):
     measured = measure(model, args, seq_len, rng)
     serial, summary, rows, metrics, serial_tok_s = measured[False]
     overlapped, *_, overlapped_tok_s = measured[True]
-    print(f"latency: batch {args.batch_size}, input {args.input_len}, output {args.output_len} tokens; random Llama "
-          f"{benchlib.num_params(model) / 1e6:.0f}M params, {args.dtype}; {args.num_iters_warmup} warm-up + "
+    print(f"latency: batch {args.batch_size}, {args.num_requests} requests, input {args.input_len}, output "
+          f"{args.output_len} tokens; random Llama {benchlib.num_params(model) / 1e6:.0f}M params, {args.dtype}; {args.num_iters_warmup} warm-up + "
           f"{args.num_iters} timed runs" + (f"; host thread on core {args.host_core}" if args.host_core is not None
                                             else ""))
     for kind in ("end_to_end", "decode"):

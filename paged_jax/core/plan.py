@@ -32,7 +32,9 @@ class Plan:
     # Speculative decoding: the proposals each decoding row verifies in this call (its scheduled
     # tokens are its last sampled one and these); empty in a call that verifies none.
     drafts: dict[Sequence, list[int]] = dataclasses.field(default_factory=dict)
-    num_waiting: int = 0  # requests still waiting after this plan (the decode loop leaves early for them)
+    # A decode call leaves as soon as one row finishes, so that the requests waiting after this
+    # plan are admitted then (serial scheduling only: AsyncScheduler plans from where rows end).
+    stop_on_finish: bool = False
 
     # Decided when planned (the sequences move on after the call): only running sequences whose one
     # pending token is their last sampled one, so the device's K-step loop can run. A sequence still
@@ -45,6 +47,9 @@ class Plan:
     # Overlapped scheduling: the rows' computed tokens and PENDING sampled ones were applied when
     # the next call was planned (AsyncScheduler.schedule_next); processing the output fills the rest.
     advanced: bool = False
+    # A decode call that continues the decode call before it, its rows in the same order
+    # (AsyncScheduler._continue_decode): the device builds its batch from that call's output.
+    continues: bool = False
 
     @property
     def host_loads(self) -> list[tuple[int, list[int], int]]:

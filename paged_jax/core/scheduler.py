@@ -24,14 +24,18 @@ from paged_jax.core.sequence import PENDING, Sequence, Status
 
 
 class Scheduler:
+    stops_for_waiting = True  # a decode call with requests waiting leaves at its first finish for them
+
     def __init__(self, *, max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
                  max_blocks_per_seq, long_prefill_token_threshold=0, prefix_cache=None, sliding_window=None,
                  host_pool: HostBlockPool | None = None, swap_preemption=False, host_tier=False,
-                 num_decode_steps=1):
+                 num_decode_steps=1, max_model_len=None):
         """`sliding_window`: every layer's attention window (tokens), or None. With a `host_pool`:
         `swap_preemption` (vLLM V0's preemption_mode="swap") and `host_tier` (core/host_memory.py).
-        `num_decode_steps`: the most tokens one decode call adds to a sequence."""
+        `num_decode_steps`: the most tokens one decode call adds to a sequence; `max_model_len`: the
+        tokens at which the device ends a sequence (default: what its table maps)."""
         self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len or max_blocks_per_seq * block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = block_size
         self.long_prefill_token_threshold = long_prefill_token_threshold
@@ -193,7 +197,7 @@ class Scheduler:
         if not plan.scheduled and self.waiting:  # nothing runs and nothing will free a block
             stuck = self.waiting[0].request.request_id
             raise RuntimeError(f"internal error: nothing can run, request {stuck!r} waits forever")
-        plan.num_waiting = len(self.waiting)
+        plan.stop_on_finish = bool(self.waiting) and self.stops_for_waiting
         plan.is_decode = bool(plan.scheduled) and not (plan.admitted or plan.forks or plan.preempted) and all(
             n == 1 and seq.num_tokens - seq.num_computed == 1 for seq, n in plan.scheduled)
         if plan.is_decode:
@@ -228,14 +232,12 @@ class Scheduler:
         self.running.insert(self.running.index(parent) + 1, child)
 
     def _set_tables(self, plan: Plan) -> None:
-        """What the device reads of the pool: the rows' tables, as wide as the most blocks one maps,
-        and their mapped token slots (a decode row stops there)."""
+        """What the device reads of the pool: the rows' tables and mapped token slots (KVCacheManager.tables_for)."""
         slots = [s.slot for s, _ in plan.scheduled] + [c.slot for c, _ in plan.forks]
         plan.block_tables, plan.num_mapped = self.kv_manager.tables_for(slots)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every prefix-cache entry, the host tier's too; False, changing nothing, while any
-        block is held by a request."""
+        """KVCacheManager.reset_prefix_cache: False, changing nothing, while a request holds a block."""
         return self.kv_manager.reset_prefix_cache()
 
     def stats(self) -> dict:
@@ -267,7 +269,7 @@ class Scheduler:
             parent.children = []
         progressed, ends = [], {1: [], 2: []}
         for row, (seq, n) in enumerate(plan.scheduled + [(child, None) for child, _ in plan.forks]):
-            # Ended at max_tokens when the next call was planned (AsyncScheduler): its last token is here.
+            # Ended (max_tokens, max_model_len) when the next call was planned (AsyncScheduler).
             ended = seq.finished and plan.advanced and seq.token_ids[-1] == PENDING
             if seq.finished and not ended:  # finished while this call ran: what it sampled is discarded
                 continue
@@ -275,8 +277,7 @@ class Scheduler:
             if n is None:  # a forked child: the parent's computed prompt
                 seq.num_computed = seq.num_tokens
             elif plan.advanced:  # applied when the next call was planned (AsyncScheduler)
-                if taken:
-                    seq.token_ids.pop()  # PENDING
+                seq.drop_pending(taken, plan.is_decode)
             else:  # a decoding row's cache holds its last token and the drafts it accepted
                 seq.num_computed += taken if plan.is_decode or seq in plan.drafts else n
             seq.token_ids += output.tokens[row, :taken].tolist()

@@ -70,6 +70,17 @@ class Sequence:
     def finished(self) -> bool:
         return self.status >= Status.FINISHED_STOPPED
 
+    def drop_pending(self, taken: int, decode: bool) -> None:
+        """Remove the PENDING tokens an overlapped plan appended: their call's `taken` tokens follow.
+        A decode row was taken to its reservation's end, and computed fewer where it stopped early
+        (a stop token) than it was given PENDING tokens."""
+        known = len(self.token_ids)
+        while known and self.token_ids[known - 1] == PENDING:
+            known -= 1
+        if decode:
+            self.num_computed -= len(self.token_ids) - known - taken
+        del self.token_ids[known:]
+
 
 @dataclasses.dataclass(eq=False)
 class Request:

@@ -84,7 +84,7 @@ class LLMEngine:
             sliding_window=getattr(model.config, "kv_window", None),
             host_pool=HostBlockPool(self.model_runner.num_host_blocks) if c.uses_host_memory else None,
             swap_preemption=c.preemption_mode == "swap", host_tier=c.enable_host_prefix_cache,
-            num_decode_steps=c.num_decode_steps)
+            num_decode_steps=c.num_decode_steps, max_model_len=c.max_model_len)
         self._in_flight: model_runner.Call | None = None  # a call dispatched, not yet processed
         self.requests: dict[str, Request] = {}
         self._finished_outside_step: set[str] = set()  # rejected or aborted: reported by the next step
@@ -194,8 +194,7 @@ class LLMEngine:
                 self.speculator.planned_ahead(self.scheduler.running)
             stats_lib.count_plan(self.counters, after)
             self.counters["overlapped_calls"] += 1
-            continues = call.plan.is_decode and after.is_decode  # its batch is built on the device
-            self._in_flight = self.model_runner.dispatch(after, prev=call if continues else None)
+            self._in_flight = self.model_runner.dispatch(after, prev=call if after.continues else None)
             touched |= self._report(call, self._apply(call))
             call = None
         elif call is not None:  # the next call is planned from its output, before the output side runs

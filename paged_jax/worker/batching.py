@@ -187,7 +187,7 @@ def decode_batch(plan: Plan, *, max_num_seqs: int, max_blocks_per_seq: int) -> D
         b["num_output"][i], b["total_len"][i] = seq.num_output, seq.num_tokens
     b["num_mapped"][: len(seqs)] = plan.num_mapped
     return DecodeBatch(**b, block_tables=_tables(plan, num_rows, max_blocks_per_seq), live=b["slots"] >= 0,
-                       stop_on_finish=np.bool_(plan.num_waiting > 0))
+                       stop_on_finish=np.bool_(plan.stop_on_finish))
 
 
 def stop_ids(seq: Sequence, eos_token_ids) -> list[int]:

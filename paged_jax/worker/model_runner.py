@@ -13,7 +13,8 @@ from paged_jax.attention import cache_layout
 from paged_jax.core.model_output import ModelOutput
 from paged_jax.core.plan import Plan
 from paged_jax.sampling_params import SAMPLING_EPS
-from paged_jax.worker import batching, programs, runner, sampler, sharding, swap
+from paged_jax.worker import batching, programs, runner, sampler, sharding
+from paged_jax.worker.host_transfers import CopyOut, HostTransfers
 
 
 def _abstract(tree):
@@ -35,7 +36,7 @@ class Call:
     batch: object  # the batch as the call read it (a continuation builds on it)
     sp: sampler.SlotParams
     start: float  # perf_counter when the step's jitted call began (its inputs built)
-    copying: object  # device -> host copies in flight (`_start_copy_out`)
+    copying: CopyOut | None  # device -> host copies in flight
     kind: str  # "decode_" or "": the counters it adds to
     # Dispatched onto an idle device (the call before it fetched): its start is the device's.
     timed: bool = False
@@ -67,11 +68,8 @@ class ModelRunner:
                                         draft_cache=None if draft_model is None else self._init_cache(draft_model))
         # Swapping and the host prefix cache: swap_space GiB of host blocks, each as large as a device
         # block (both models' K/V with a draft).
-        caches = self.state.caches
-        self.host_block_bytes = sum(swap.HostKVCache.block_bytes(cache) for cache in caches)
-        self.num_host_blocks = int(c.swap_space * 2**30) // self.host_block_bytes if c.uses_host_memory else 0
-        self.host_caches = [swap.HostKVCache(cache, self.num_host_blocks) for cache in caches] \
-            if self.num_host_blocks else []
+        self.host = HostTransfers(self.state.caches, c.swap_space, c.uses_host_memory)
+        self.num_host_blocks = self.host.num_blocks
         # (seqs, num_rows) -> i32[num_rows, words] of the rows' allowed next tokens, or None: the
         # engine's structured-output manager (engine/structured_outputs.py)
         self.bitmask = None
@@ -111,7 +109,7 @@ class ModelRunner:
         not yet fetched, that this decode call continues (overlapped scheduling): its rows, in the
         same order, resume on the device from its output."""
         c = self.config
-        copying = self._start_copy_out(plan)
+        copying = self.host.start_copy_out(plan, self.state.caches)
         self.copy_blocks(plan.copies_first)
         if plan.is_decode:
             batch, sp, flags = self._decode_inputs(plan)
@@ -129,7 +127,7 @@ class ModelRunner:
         self._reset_penalty_rows([s for s, _ in plan.scheduled if s.slot in plan.admitted]
                                  + [child for child, _ in plan.forks])
         batch, sp, flags = self._prefill_inputs(plan)
-        loads = self._load(plan, batch)
+        loads = self.host.load(plan, batch.swap_blocks.shape[0], self.counters)
         start = time.perf_counter()
         self.state, out = runner.prefill_step(self.graphdef, self.params, self.state, batch, sp, loads,
                                               self.draft_params, flags=flags, draft_graphdef=self.draft_graphdef)
@@ -173,7 +171,7 @@ class ModelRunner:
     def fetch(self, call: Call) -> ModelOutput:
         """Wait for the call and bring its output to the host."""
         out = jax.device_get(call.out)
-        self._finish_copy_out(call.plan, call.copying)
+        self.host.finish_copy_out(call.copying, self.counters)
         k = self.counters
         k["device_seconds"] += time.perf_counter() - call.start
         got = sum(np.asarray(x).nbytes for x in jax.tree.leaves(out))
@@ -194,49 +192,6 @@ class ModelRunner:
             src, dst = batching.padded([s for s, _ in copies], -1), batching.padded([d for _, d in copies], -1)
             self.counters["bytes_to_device"] += src.nbytes + dst.nbytes
             self.state = runner.copy_blocks_step(self.state, src, dst, backend=self.config.attention_backend)
-
-    def _start_copy_out(self, plan: Plan):
-        """Dispatch the gather of the plan's device -> host copies (swapped victims, blocks the host
-        prefix cache keeps), each device block once, before this step's allocations can reuse them;
-        the transfer runs while the step is dispatched -> what `_finish_copy_out` takes, or None."""
-        copies = plan.swap_out + plan.tier_out
-        if not copies:
-            return None
-        unique = list(dict.fromkeys(d for d, _ in copies))
-        ids = batching.padded(unique)
-        return [host.start_copy_out(cache, ids) for host, cache in zip(self.host_caches, self.state.caches)], unique
-
-    def _finish_copy_out(self, plan: Plan, copying) -> None:
-        if copying is None:
-            return
-        blocks, unique = copying
-        position = {d: i for i, d in enumerate(unique)}
-        copies = plan.swap_out + plan.tier_out
-        for host, part in zip(self.host_caches, blocks):
-            host.finish_copy_out(part, [h for _, h in copies], [position[d] for d, _ in copies])
-        k, size = self.counters, self.host_block_bytes
-        k["num_blocks_swapped_out"] += len(plan.swap_out)
-        k["swap_bytes_out"] += len(plan.swap_out) * size
-        k["host_prefix_cache_blocks_out"] += len(plan.tier_out)
-        k["host_prefix_cache_bytes_out"] += len(plan.tier_out) * size
-
-    def _load(self, plan: Plan, batch: batching.PrefillBatch):
-        """The host blocks the plan loads (rows resuming after a swap, host prefix cache hits), in
-        the order of batch.swap_blocks: one host read for all of them, scattered by the prefill step
-        -> the blocks (numpy), one entry per cache of the state, or None when the plan loads none."""
-        host_ids = [h for _, ids, _ in plan.host_loads for h in ids]
-        if not host_ids:
-            return None
-        ids = np.pad(host_ids, (0, batch.swap_blocks.shape[0] - len(host_ids)))
-        blocks = tuple(host.read(ids) for host in self.host_caches)
-        k, size = self.counters, self.host_block_bytes
-        swapped, tier = (sum(len(ids) for _, ids, _ in loads) for loads in (plan.swap_in, plan.tier_in))
-        k["num_blocks_swapped_in"] += swapped
-        k["swap_bytes_in"] += swapped * size
-        k["host_prefix_cache_blocks_in"] += tier
-        k["host_prefix_cache_bytes_in"] += tier * size
-        k["bytes_to_device"] += sum(x.nbytes for x in jax.tree.leaves(blocks))
-        return blocks
 
     # -- inputs --------------------------------------------------------------------------------
 

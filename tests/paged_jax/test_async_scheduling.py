@@ -200,3 +200,61 @@ def test_an_overlapped_plan_that_would_preempt_is_not_made(model):
     assert engine.stats()["num_preemptions"] >= 1
     assert [done[str(i)].outputs[0].token_ids for i in range(2)] == [greedy_reference(model, p, 4) for p in prompts]
     assert_pool_drained(llm)
+
+
+def test_decode_calls_with_requests_waiting_overlap_and_give_the_serial_outputs(model):
+    """Ten requests on 3 rows, so most decode calls run with requests waiting: the call after one is
+    planned while it runs, each row taken to its reservation's end as PENDING tokens, and it admits
+    the waiting requests into the slots of rows that reach max_tokens or max_model_len (36) in it.
+    Rows stop inside those calls on EOS, a stop string, a stop token (found when the call is
+    processed, one call late), max_tokens and max_model_len; some sample with a seed, use penalties
+    or ask for logprobs. Tokens, text, finish and stop reasons equal the serial engine's (which
+    leaves each such call at its first finish), logprobs to f32 rounding, and the pool drains."""
+    g = greedy_reference(model, PROMPT, 24)
+    tokenizer = word_tokenizer(eos_token_ids=(g[8],))
+    rng = np.random.default_rng(5)
+    prompts = [PROMPT] * 3 + [rng.integers(1, 128, int(n)).tolist() for n in rng.integers(4, 16, 7)]
+    prompts = [" ".join(f"w{t}" for t in prompt) for prompt in prompts]
+    greedy = dict(temperature=0.0)
+    params = [SamplingParams(**greedy, max_tokens=None),  # EOS: g[8]
+              SamplingParams(**greedy, max_tokens=None, stop=[f"w{g[7]}"]),
+              SamplingParams(**greedy, max_tokens=None, stop_token_ids=[g[9]], ignore_eos=True, logprobs=1),
+              SamplingParams(**greedy, max_tokens=None, ignore_eos=True)]  # max_model_len
+    params += [SamplingParams(temperature=0.8 if i % 2 else 0.0, seed=i, max_tokens=None if i % 2 == 0 else 5 + 3 * i,
+                              ignore_eos=i % 2 == 0,
+                              logprobs=1 if i % 3 == 1 else None, repetition_penalty=1.2 if i == 5 else 1.0)
+               for i in range(4, 10)]
+    results, kinds, hits = {}, [], {}
+    for overlapped in (False, True):
+        llm = LLM(model, tokenizer=tokenizer, block_size=4, num_blocks=64, max_num_seqs=3, num_decode_steps=4,
+                  max_model_len=36, log_stats=False, async_scheduling=overlapped)
+        if overlapped:
+            schedule_next = llm.engine.scheduler.schedule_next
+
+            def spy(prev):
+                waiting = bool(llm.engine.scheduler.waiting)
+                plan = schedule_next(prev)
+                if prev.is_decode and waiting:
+                    kinds.append("none" if plan is None else "admits" if plan.admitted else "decode")
+                return plan
+
+            llm.engine.scheduler.schedule_next = spy
+        outs = llm.generate(prompts, params)
+        # A prompt extending request 2's 16 tokens hits its blocks: only those whose K/V was computed.
+        follow = llm.generate([" ".join(f"w{t}" for t in [*PROMPT, *g[:11]])], SamplingParams(temperature=0.0))[0]
+        results[overlapped] = [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs)
+                               for o in [*outs, follow] for c in o.outputs]
+        hits[overlapped] = follow.num_cached_tokens
+        assert_pool_drained(llm)
+    for want, got in zip(results[False], results[True]):
+        assert got[:4] == want[:4]
+        if want[4] is not None:
+            np.testing.assert_allclose([lp.logprob for e in got[4] for lp in e.values()],
+                                       [lp.logprob for e in want[4] for lp in e.values()], atol=1e-5)
+    serial = results[False]
+    assert serial[0][0] == g[:9] and serial[0][2:4] == ("stop", None)
+    assert serial[1][0][-1] == g[7] and serial[1][2:4] == ("stop", f"w{g[7]}")
+    assert serial[2][0] == g[:10] and serial[2][2:4] == ("stop", g[9])
+    assert hits == {False: 12, True: 12} and serial[-1][0] == greedy_reference(model, [*PROMPT, *g[:11]], 16)
+    assert serial[3][2] == "length" and len(prompts[3].split()) + len(serial[3][0]) == 36
+    assert kinds.count("admits") >= 3 and kinds.count("decode") >= 1

@@ -8,7 +8,9 @@ import pytest
 from paged_jax.core import block_pool as bp
 from paged_jax.core.host_pool import HostBlockPool
 from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core.plan import Plan
 from paged_jax.worker import swap
+from paged_jax.worker.host_transfers import HostTransfers
 from paged_jax.attention import KVCache
 
 
@@ -105,3 +107,41 @@ def test_blocks_go_to_host_memory_and_back_in_every_layer(layout, kv_heads):
         np.testing.assert_array_equal(block(after, 3), block(before, 5))
         np.testing.assert_array_equal(block(after, 6), block(before, 2))
         np.testing.assert_array_equal(block(after, [0, 1, 2, 4, 5, 7]), block(before, [0, 1, 2, 4, 5, 7]))
+
+
+def test_a_load_reads_the_copies_of_a_call_not_yet_fetched():
+    """Overlapped scheduling dispatches the next call before fetching this one: a call evicting
+    device block 5 to host block 2 (the host prefix cache) is still in flight when the next loads
+    host block 2 back; the load stores that copy first and reads block 5's K/V. The fetch then
+    stores nothing twice, and counts the copy once. A call whose own copy goes to a host block it
+    also loads (given back when it was planned) reads the block's old contents: its copy lands later."""
+    rng = np.random.default_rng(1)
+    cache = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), KVCache.create(2, 8, 4, 2, 16))
+    host = HostTransfers([cache], 2 * swap.HostKVCache.block_bytes(cache) * 4 / 2**30, True)
+    assert host.num_blocks == 8
+    counters = dict.fromkeys(["num_blocks_swapped_out", "swap_bytes_out", "host_prefix_cache_blocks_out",
+                              "host_prefix_cache_bytes_out", "num_blocks_swapped_in", "swap_bytes_in",
+                              "host_prefix_cache_blocks_in", "host_prefix_cache_bytes_in", "bytes_to_device"], 0)
+    copy = host.start_copy_out(Plan(tier_out=[(5, 2)]), [cache])
+    blocks = host.load(Plan(tier_in=[(0, [2], 0)]), 4, counters)
+    assert counters["host_prefix_cache_blocks_out"] == counters["host_prefix_cache_blocks_in"] == 1
+    axis = cache.block_axis
+
+    def first_block(x, n):  # [..., layer * n + block, ...] -> block 0 of each layer
+        x = np.asarray(x)
+        return np.take(x.reshape(x.shape[:axis] + (2, n) + x.shape[axis + 1:]), 0, axis=axis + 1)
+
+    want = swap.gather_blocks(cache, jnp.array([5], jnp.int32))
+    for got, leaf in zip(jax.tree.leaves(blocks[0]), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(first_block(got, 4), first_block(leaf, 1))
+    host.finish_copy_out(copy, counters)  # the call's fetch
+    assert counters["host_prefix_cache_blocks_out"] == 1
+    plan = Plan(swap_in=[(0, [2], 0)], tier_out=[(6, 2)])
+    copy = host.start_copy_out(plan, [cache])
+    again = host.load(plan, 4, counters)
+    host.finish_copy_out(copy, counters)
+    for got, leaf in zip(jax.tree.leaves(again[0]), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(first_block(got, 4), first_block(leaf, 1))
+    now = swap.gather_blocks(cache, jnp.array([6], jnp.int32))
+    for got, leaf in zip(jax.tree.leaves(host.caches[0].read([2])), jax.tree.leaves(now)):
+        np.testing.assert_array_equal(got, leaf)
