@@ -100,6 +100,20 @@ def test_rows_stopping_inside_overlapped_calls_give_the_serial_outputs(model):
     assert reasons == {"stop", "length"}
 
 
+def record_schedule_next(llm, record):
+    """Spy on the engine's AsyncScheduler: record(prev, plan, whether requests waited) per call."""
+    scheduler = llm.engine.scheduler
+    schedule_next = scheduler.schedule_next
+
+    def spy(prev):
+        waiting = bool(scheduler.waiting)
+        plan = schedule_next(prev)
+        record(prev, plan, waiting)
+        return plan
+
+    scheduler.schedule_next = spy
+
+
 def run_arrivals(llm, arrivals):
     """arrivals: one list of (request_id, prompt, params) per step; step until all finish ->
     {request_id: its final RequestOutput}."""
@@ -144,14 +158,8 @@ def test_prefill_steps_overlap_and_give_the_serial_outputs(model):
         llm = LLM(model, tokenizer=tokenizer, block_size=4, num_blocks=96, max_num_seqs=8, max_num_batched_tokens=16,
                   num_decode_steps=4, log_stats=False, async_scheduling=overlapped)
         if overlapped:
-            schedule_next = llm.engine.scheduler.schedule_next
-
-            def spy(prev):
-                plan = schedule_next(prev)
-                overlapped_steps.append(plan is not None and not plan.is_decode)
-                return plan
-
-            llm.engine.scheduler.schedule_next = spy
+            record_schedule_next(llm, lambda prev, plan, waiting: overlapped_steps.append(
+                plan is not None and not plan.is_decode))
         done = run_arrivals(llm, arrivals)
         results[overlapped] = {
             request_id: [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs) for c in out.outputs]
@@ -229,16 +237,11 @@ def test_decode_calls_with_requests_waiting_overlap_and_give_the_serial_outputs(
         llm = LLM(model, tokenizer=tokenizer, block_size=4, num_blocks=64, max_num_seqs=3, num_decode_steps=4,
                   max_model_len=36, log_stats=False, async_scheduling=overlapped)
         if overlapped:
-            schedule_next = llm.engine.scheduler.schedule_next
-
-            def spy(prev):
-                waiting = bool(llm.engine.scheduler.waiting)
-                plan = schedule_next(prev)
+            def record(prev, plan, waiting):
                 if prev.is_decode and waiting:
                     kinds.append("none" if plan is None else "admits" if plan.admitted else "decode")
-                return plan
 
-            llm.engine.scheduler.schedule_next = spy
+            record_schedule_next(llm, record)
         outs = llm.generate(prompts, params)
         # A prompt extending request 2's 16 tokens hits its blocks: only those whose K/V was computed.
         follow = llm.generate([" ".join(f"w{t}" for t in [*PROMPT, *g[:11]])], SamplingParams(temperature=0.0))[0]
