@@ -12,8 +12,9 @@
 #   5. speculative decoding (n-gram) on Llama-3.2-1B's shape: tok/s against the plain engine, the
 #      same greedy tokens, and the timed costs of a decode step and a verification
 #      (scripts/gpu_spec_check.py)
-#   6. overlapped against serial scheduling at 256 running sequences (scripts/benchmark_latency.py:
-#      end-to-end and decode tok/s of both, and the host work each device waited for)
+#   6. overlapped against serial scheduling at 256 running sequences with 256 more waiting, as on
+#      a saturated server (scripts/benchmark_latency.py: end-to-end and decode tok/s of both, and
+#      the host work each device waited for)
 # From a source checkout with no install step (pytest's pythonpath is ".", the scripts put the
 # checkout on sys.path); it needs jax with CUDA, flax and the project's dependencies present.
 #   bash scripts/gpu_check.sh [REPORT_DIR]    (default: gpu_check/; the report is REPORT_DIR/report.md)
@@ -104,8 +105,8 @@ step 4 "engine programs: measured beside the roofline ($target)" 180 "$python" s
 step 5 "speculative decoding: n-gram against plain decoding (Llama-3.2-1B shape, bf16)" 200 \
     "$python" scripts/gpu_spec_check.py
 
-step 6 "overlapped against serial scheduling at 256 running sequences (random 58M Llama)" 150 \
-    "$python" scripts/benchmark_latency.py --batch-size 256 --input-len 32 --output-len 32 \
+step 6 "overlapped against serial scheduling at 256 running sequences, 256 more waiting (random 58M Llama)" 200 \
+    "$python" scripts/benchmark_latency.py --batch-size 256 --num-requests 512 --input-len 32 --output-len 32 \
     --json "$out/benchmark_latency.json"
 
 echo "wrote $report (exit status $status)"
