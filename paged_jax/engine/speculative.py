@@ -1,5 +1,6 @@
-"""Speculative decoding on the host: the n-gram proposer (vLLM's prompt lookup) and the controller
-that decides which rows speculate (the configuration: engine/spec_config.py).
+"""Speculative decoding on the host: the controller that decides which rows speculate, and the
+n-gram proposals it asks for (engine/ngram.py: vLLM's prompt lookup, every row at once; the
+configuration: engine/spec_config.py).
 
 A row's proposals ride in the scheduler's plan as extra tokens after its last sampled one, so the
 verification is a ragged prefill row of 1 + k tokens (worker/rejection_sampler.py scores them and
@@ -23,6 +24,7 @@ import jax
 import numpy as np
 
 from paged_jax.core.sequence import Sequence
+from paged_jax.engine import ngram
 from paged_jax.engine.spec_config import SpeculativeConfig
 from paged_jax.worker import batching
 
@@ -48,22 +50,6 @@ def _listen_for_compiles() -> None:  # once per process
     jax.monitoring.register_event_duration_secs_listener(_count_compiles)
 
 
-def ngram_proposal(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
-    """vLLM's prompt lookup: the longest n in [min_n, max_n] whose last n tokens occur earlier in
-    `tokens` (i32[L], prompt and output) -> the up to k tokens that followed it: at its latest
-    occurrence that k tokens follow (the nearest context), else its earliest (the most that
-    follow; in a loop the latest is followed by the loop's start only); empty when none matches."""
-    length = tokens.shape[0]
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)  # every earlier n-gram
-        hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-        if hits.size:
-            whole = hits[hits + n + k <= length]  # occurrences followed by k tokens
-            start = (whole[-1] if whole.size else hits[0]) + n
-            return tokens[start:start + k]
-    return tokens[:0]
-
-
 class Speculator:
     """Which running rows propose, and what; fed back with each verification's acceptance."""
 
@@ -76,6 +62,7 @@ class Speculator:
         # programs' shapes); a call during which jax compiled is not timed.
         self.costs: dict[tuple[str, int], float] = {}
         self._compiles_at_propose = 0
+        self._history = ngram.TokenHistory()  # the n-gram rows' tokens as arrays
         self._probing = False  # the last `propose` found rows to speculate but no match for any
         # Overlapped scheduling: proposing needs the last call's tokens, so a call is planned before
         # they are known only while speculation has nothing to verify: after each `propose` that
@@ -96,7 +83,7 @@ class Speculator:
         """The drafts of the decoding rows worth a verification call, or {} for a plain decode call.
         Rows that verify nothing this call move their rate back toward 1, so a resting row probes
         again after a while."""
-        c, found, rows, unmatched = self.config, {}, [], {}
+        c, found, rows, lookups = self.config, {}, [], {}
         self._compiles_at_propose = _NUM_COMPILES[0]
         for seq in running:
             if seq.num_tokens - seq.num_computed != 1 or not self._may_speculate(seq):
@@ -109,12 +96,9 @@ class Speculator:
                 continue
             if c.method == "draft_model":  # the draft model fills them in on the device, in the call
                 found[seq] = [RESERVED_DRAFT] * room
-                continue
-            drafts = ngram_proposal(np.asarray(seq.token_ids, np.int32), c.prompt_lookup_min, c.prompt_lookup_max, room)
-            if drafts.size:
-                found[seq] = drafts.tolist()
             else:
-                unmatched[seq] = [RESERVED_DRAFT] * room
+                lookups[seq] = room
+        unmatched = self._look_up(lookups, found)
         chosen = found if found and self._worth_verifying(found, len(rows)) else {}
         self._rest([seq for seq in rows if seq not in chosen])
         # No row matched, but if they all had, verifying would pay: look again soon.
@@ -123,6 +107,22 @@ class Speculator:
         self._num_quiet = self._num_quiet + 1 if quiet else 0
         self._quiet_calls = min(self._num_quiet, MAX_QUIET_CALLS)
         return chosen
+
+    def _look_up(self, rooms: dict[Sequence, int], found: dict[Sequence, list[int]]) -> dict[Sequence, list[int]]:
+        """Prompt lookup for every row in `rooms` (up to its room of drafts) at once: the rows that
+        matched go into `found` -> the rows that did not, each with its room of stand-in drafts."""
+        if not rooms:
+            return {}
+        c, unmatched = self.config, {}
+        tokens, lengths = self._history.gather(list(rooms))
+        starts, counts = ngram.propose(tokens, lengths, np.fromiter(rooms.values(), np.int32, len(rooms)),
+                                       c.prompt_lookup_min, c.prompt_lookup_max)
+        for row, (seq, room) in enumerate(rooms.items()):
+            if counts[row]:
+                found[seq] = tokens[row, starts[row]:starts[row] + counts[row]].tolist()
+            else:
+                unmatched[seq] = [RESERVED_DRAFT] * room
+        return unmatched
 
     @staticmethod
     def _rest(rows: list[Sequence]) -> None:

@@ -11,7 +11,7 @@ from scipy import stats
 
 from paged_jax import LLM, SamplingParams
 from paged_jax.core.sequence import Request, Sequence
-from paged_jax.engine import speculative
+from paged_jax.engine import ngram, speculative
 from paged_jax.engine.arg_utils import EngineArgs
 from paged_jax.worker import batching, rejection_sampler
 from tests.models.model_testing import random_model, tiny_config
@@ -31,17 +31,70 @@ def model():
     return random_model(tiny_config(max_position_embeddings=1024, eos_token_id=None))
 
 
-@pytest.mark.parametrize("tokens, n, k, expected", [
+NGRAM_CASES = [
     ([1, 2, 3, 4, 1, 2, 3], (1, 3), 2, [4, 1]),  # the 3-gram [1, 2, 3] occurred at 0
     ([9, 1, 2, 5, 6, 1, 2, 7, 8, 1, 2], (2, 2), 2, [7, 8]),  # the latest occurrence k tokens follow
     ([2, 2, 5, 6, 2, 2, 2], (2, 2), 2, [5, 6]),  # the latest (at 4) has 1 token after it: the one at 0
     ([7, 7, 7, 7], (1, 2), 3, [7, 7]),  # a loop: [7, 7] first at 0, followed by two tokens
     ([1, 2, 3, 4], (2, 3), 2, []),  # no n-gram of 2 or 3 repeats
     ([5], (1, 1), 2, []),
-])
+    ([3, 1, 2, 3, 9, 1, 2, 3], (1, 3), 1, [9]),  # the 3-gram wins over the later 1-gram [3]
+]
+
+
+def _propose(rows, min_n, max_n, rooms):
+    """ngram.propose over rows of unequal lengths, padded with tokens that would match if read."""
+    lengths = np.array([len(r) for r in rows], np.int32)
+    tokens = np.full((len(rows), lengths.max() + 3), rows[0][-1], np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)] = r
+    starts, counts = ngram.propose(tokens, lengths, np.array(rooms, np.int32), min_n, max_n)
+    return [tokens[i, s:s + c].tolist() for i, (s, c) in enumerate(zip(starts, counts))]
+
+
+@pytest.mark.parametrize("tokens, n, k, expected", NGRAM_CASES)
 def test_ngram_proposal_takes_the_longest_match(tokens, n, k, expected):
-    got = speculative.ngram_proposal(np.array(tokens, np.int32), *n, k)
-    assert got.tolist() == expected
+    assert _propose([tokens], *n, [k]) == [expected]
+
+
+def _lookup_reference(tokens, min_n, max_n, k):
+    """Prompt lookup by plain loops: the longest n with an earlier occurrence of the last n tokens,
+    the latest occurrence followed by k tokens, else the earliest."""
+    for n in range(max_n, min_n - 1, -1):
+        starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == tokens[-n:]]
+        if starts:
+            whole = [s for s in starts if s + n + k <= len(tokens)]
+            start = (whole[-1] if whole else starts[0]) + n
+            return tokens[start:start + k]
+    return []
+
+
+def test_ngram_proposals_of_a_batch_equal_each_rows_own_lookup():
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, vocab, length).tolist() for vocab, length in
+            [(3, 1), (3, 2), (2, 9), (4, 40), (5, 17), (50, 30), (3, 64), (2, 5)] * 4]
+    rows += [row + row[: len(row) // 2] for row in rows[:8]]  # quoting their own start
+    rooms = rng.integers(1, 8, len(rows)).tolist()
+    matched = []
+    for min_n, max_n in [(1, 1), (1, 3), (2, 4), (3, 5)]:
+        want = [_lookup_reference(r, min_n, max_n, k) for r, k in zip(rows, rooms)]
+        assert _propose(rows, min_n, max_n, rooms) == want
+        matched.append(sum(map(bool, want)))
+    assert matched == [30, 30, 22, 11]  # of 40 rows: both kinds of row in each case
+
+
+def test_token_history_follows_each_sequences_tokens():
+    seqs = [Sequence(None, 0, [1, 2, 3], np.zeros(2, np.uint32)), Sequence(None, 0, [4], np.zeros(2, np.uint32))]
+    history = ngram.TokenHistory()
+    tokens, lengths = history.gather(seqs)
+    assert tokens.tolist() == [[1, 2, 3], [4, 0, 0]] and lengths.tolist() == [3, 1]
+    seqs[0].token_ids += list(range(10, 200))  # grows past its array
+    seqs[1].token_ids[-1] = 5  # changed where it was last read: read again from the start
+    tokens, lengths = history.gather(seqs[::-1])
+    assert lengths.tolist() == [1, 193] and tokens[0, 0] == 5 and tokens[1].tolist() == seqs[0].token_ids
+    del seqs[0].token_ids[2:]  # shorter (a stop string's truncation)
+    seqs[0].token_ids.append(7)
+    assert history.gather(seqs[:1])[0].tolist() == [[1, 2, 7]]
 
 
 @pytest.mark.parametrize("config, message", [

@@ -156,6 +156,17 @@ def test_spec_decode_section_compares_each_workload_and_batch_with_and_without(t
     assert all(r["ratio"] == 1.0 and r["verifications"] == 0 for r in rows[::2])
 
 
+def test_proposals_benchmark_checks_both_ways_propose_the_same(capsys):
+    """Each call's drafts from the batched lookup equal the per-row search's (the script raises
+    otherwise); the rows that quote their own start (every other one) propose."""
+    from scripts import benchmark_proposals
+
+    table = benchmark_proposals.main(["--batch-sizes", "1", "5", "--lengths", "16", "40", "--calls", "4"])
+    assert [(r["batch"], r["length"], r["matched"]) for r in table] == [(1, 16, 1), (1, 40, 1), (5, 16, 3), (5, 40, 3)]
+    assert all(r["per_row"] > 0 and r["batched"] > 0 for r in table)
+    assert "x faster" in capsys.readouterr().out
+
+
 def test_gpu_spec_check_runs_on_a_small_config(tmp_path, capsys):
     """gpu_check.sh's step 5 on a 2-layer config here: both batches, the same greedy tokens with
     speculation, and the costs the engine timed."""
