@@ -26,7 +26,7 @@ def propose(tokens: np.ndarray, lengths: np.ndarray, rooms: np.ndarray, min_n: i
     ends = np.arange(width)
     run = ends[None, :] <= lengths[:, None] - 2
     matched = np.zeros((num_rows, width), np.uint8)
-    for i in range(max_n):
+    for i in range(min(max_n, width)):  # an occurrence ends at e >= i
         last = tokens[rows, np.maximum(lengths - 1 - i, 0)]
         run[:, :i] = False
         run[:, i:] &= tokens[:, : width - i] == last[:, None]

@@ -81,6 +81,10 @@ def test_ngram_proposals_of_a_batch_equal_each_rows_own_lookup():
         assert _propose(rows, min_n, max_n, rooms) == want
         matched.append(sum(map(bool, want)))
     assert matched == [30, 30, 22, 11]  # of 40 rows: both kinds of row in each case
+    # Rows no longer than prompt_lookup_max, in an array no wider than the longest.
+    starts, counts = ngram.propose(np.array([[4, 4, 4], [4, 0, 0]], np.int32), np.array([3, 1], np.int32),
+                                   np.array([2, 2], np.int32), 1, 5)
+    assert starts[0] == 2 and counts.tolist() == [1, 0]
 
 
 def test_token_history_follows_each_sequences_tokens():
