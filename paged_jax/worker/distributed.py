@@ -68,7 +68,7 @@ class LivenessChannel:
     def __init__(self, host: str, num_processes: int, process_id: int, timeout_s: float):
         self.num_processes, self.process_id, self.timeout_s = num_processes, process_id, timeout_s
         self.leaving = False  # set when this process begins a normal exit: closed peers are expected then
-        self.conns: list[socket.socket] = []
+        self.conns: dict[int, socket.socket] = {}  # by peer
         if process_id == 0:
             server, secret = handshake.listen("liveness", host)
             threading.Thread(target=self._accept, args=(server, secret), daemon=True,
@@ -87,7 +87,7 @@ class LivenessChannel:
 
     def _watch(self, conn: socket.socket, peer: int) -> None:
         conn.settimeout(None)
-        self.conns.append(conn)
+        self.conns[peer] = conn
         threading.Thread(target=self._read, args=(conn, peer), daemon=True, name=f"paged-jax-peer-{peer}").start()
 
     def _read(self, conn: socket.socket, peer: int) -> None:
@@ -97,31 +97,55 @@ class LivenessChannel:
         except OSError:
             pass
         if not self.leaving:
-            self._peer_lost(f"process {peer} of {self.num_processes} stopped without shutting down "
-                            "(it crashed, was killed or raised)")
+            self._lost(peer)
+
+    def _lost(self, peer: int) -> None:
+        self._peer_lost(f"process {peer} of {self.num_processes} stopped without shutting down "
+                        "(it crashed, was killed or raised)")
 
     def _peer_lost(self, message: str) -> None:
         stop_on_lost_peer(self.process_id, message)
 
     def on_exit(self) -> None:
         """A normal exit keeps the connections open: jax's shutdown barrier, which runs after this,
-        holds every process until all have arrived, so a closed connection after it is expected. An
-        uncaught exception is a failure the peers must hear of now, not at jax's shutdown timeout."""
-        if hasattr(sys, "last_value"):
-            self.close()
-        else:
+        holds every process until all have arrived, so a closed connection after it is expected.
+
+        An uncaught exception is a failure the peers must hear of now, and this process leaves
+        without jax's barrier, which they will not reach (it would abort this one at its timeout).
+        Where a peer's connection has closed already, that peer's end is the cause (a collective
+        fails as soon as its peer goes, before this connection's reader may have run): this process
+        stops as the reader would have, naming it."""
+        if not hasattr(sys, "last_value"):
             self.leaving = True
+            return
+        for peer, conn in self.conns.items():
+            if _closed(conn):
+                self._lost(peer)
+        self.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
     def close(self) -> None:
         """The peers hear of it now. A socket whose reader thread is blocked in `recv` stays open
         through `close` (no FIN goes out), so each connection is shut down first."""
         self.leaving = True  # this process's own readers now see the connections end: expected
-        for conn in self.conns:
+        for conn in self.conns.values():
             try:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:  # the peer closed it already
                 pass
             conn.close()
+
+
+def _closed(conn: socket.socket) -> bool:
+    """Whether the peer has closed `conn` (read without waiting or taking anything)."""
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def initialize(coordinator: str, num_processes: int, process_id: int, *,

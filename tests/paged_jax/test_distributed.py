@@ -4,6 +4,7 @@ model: scripts/generate.py with one CPU device per process at tensor_parallel_si
 tests/paged_jax/distributed_worker.py with 2 devices per process at 4. The reference is one process."""
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -93,6 +94,46 @@ def test_two_processes_of_two_devices_give_the_single_process_tokens_at_tp_4_the
     assert (status0, records0) == (distributed.EXIT_PEER_LOST, common), err0[-3000:]
     assert ("paged-jax: error: process 0: process 1 of 2 stopped without shutting down "
             "(it crashed, was killed or raised); stopping") in err0
+
+
+class Exited(Exception):
+    pass
+
+
+@pytest.mark.parametrize("peer_gone", [True, False])
+def test_an_uncaught_exception_names_a_lost_peer_or_tells_the_peers(monkeypatch, peer_gone):
+    """Process 0's exit hooks after an uncaught exception, on loopback sockets: if peer 2's connection
+    closed already (a collective failed as it went, before its reader ran), the process stops naming
+    it; otherwise the peers' connections end now. Either way jax's shutdown barrier is skipped."""
+    ours, theirs = zip(*(socket.socketpair() for _ in range(2)))
+    channel = distributed.LivenessChannel.__new__(distributed.LivenessChannel)
+    channel.num_processes, channel.process_id, channel.leaving = 3, 0, False
+    channel.conns = {1: ours[0], 2: ours[1]}
+    if peer_gone:
+        theirs[1].close()
+    stops = []
+
+    def stop(process_id, message):
+        stops.append((process_id, message))
+        raise Exited
+
+    def exit_now(status):
+        stops.append(status)
+        raise Exited
+    monkeypatch.setattr(distributed, "stop_on_lost_peer", stop)
+    monkeypatch.setattr(distributed.os, "_exit", exit_now)
+    monkeypatch.setattr(sys, "last_value", RuntimeError("a collective failed"), raising=False)
+    with pytest.raises(Exited):
+        channel.on_exit()
+    if peer_gone:
+        assert stops == [(0, "process 2 of 3 stopped without shutting down (it crashed, was killed or raised)")]
+    else:
+        assert stops == [1] and theirs[0].recv(1) == b"" and theirs[1].recv(1) == b""  # both peers hear of it now
+    monkeypatch.delattr(sys, "last_value")
+    mine, peer = socket.socketpair()
+    channel.conns, channel.leaving = {1: mine}, False
+    channel.on_exit()  # a normal exit: the connections stay open for jax's barrier
+    assert channel.leaving and not distributed._closed(mine) and not distributed._closed(peer)
 
 
 def test_bad_process_arguments_are_refused_before_any_collective(capsys):
