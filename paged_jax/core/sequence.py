@@ -47,7 +47,8 @@ class Sequence:
     token_logprobs: list[float] = dataclasses.field(default_factory=list)  # of each output token
     logprobs: list[dict] | None = None  # top-N entries per output token, when asked for
     stop_reason: int | str | None = None
-    spec_rate: float = 1.0  # speculative decoding: its proposals' running acceptance rate (engine/speculative.py)
+    spec_rate: float | None = None  # speculative decoding: its proposals' running acceptance rate, None
+    # before it verified or rested (Speculator.rate: the engine's rate so far)
     # The output side's state of it (text, detokenizer offsets, what streaming sent) is the output
     # processor's (engine/output_processor.py: OutputState), not the scheduler's.
     @property

@@ -10,8 +10,8 @@ the device in the verifying call itself (worker/draft_proposer.py: k draft steps
 forward): the plan reserves their slots with a stand-in token, RESERVED_DRAFT.
 
 Speculation turns itself down where it does not pay (vLLM's does not): each sequence keeps a
-running acceptance rate; one whose proposals keep failing stops proposing and decodes in the K-step
-loop, probing again as the rate recovers. And a call verifies only when its expected tokens per
+running acceptance rate, from the engine's own so far; one whose proposals keep failing stops
+proposing and decodes in the K-step loop, probing again as the rate recovers. And a call verifies only when its expected tokens per
 second beat a plain decode step's, both timed on this device as the engine runs (a verification
 of 1 + k tokens per row costs about one step where reading the weights dominates, a GPU at small
 batch, but several on a CPU, whose cost follows the tokens computed).
@@ -30,6 +30,7 @@ from paged_jax.worker import batching
 
 RATE_WEIGHT = 0.5  # how much one verification moves a sequence's acceptance rate
 RATE_RECOVERY = 0.02  # per call it rests: the rate moves this share back toward 1 (a probe every ~4 calls)
+PRIOR_WEIGHT = 0.1  # how much one verification moves the rate a new sequence starts from
 MIN_EXPECTED_PER_ROW = 0.5  # expected accepted drafts per running row for a call to verify
 COST_WEIGHT = 0.2  # how much one timed call moves the running cost of its kind
 PROBE_STEPS = 2  # decode steps of a call while speculating rows look for a match
@@ -62,6 +63,7 @@ class Speculator:
         # programs' shapes); a call during which jax compiled is not timed.
         self.costs: dict[tuple[str, int], float] = {}
         self._compiles_at_propose = 0
+        self.prior = 1.0  # a new sequence's acceptance rate (`rate`): 1 until anything was verified
         self._history = ngram.TokenHistory()  # the n-gram rows' tokens as arrays
         self._probing = False  # the last `propose` found rows to speculate but no match for any
         # Overlapped scheduling: proposing needs the last call's tokens, so a call is planned before
@@ -92,7 +94,7 @@ class Speculator:
             params = seq.request.params
             room = min(c.num_speculative_tokens, self.max_model_len - seq.num_tokens - 1,
                        (params.max_tokens if params.max_tokens is not None else 1 << 30) - seq.num_output - 1)
-            if seq.spec_rate * c.num_speculative_tokens < MIN_EXPECTED_PER_ROW or room < 1:
+            if self.rate(seq) * c.num_speculative_tokens < MIN_EXPECTED_PER_ROW or room < 1:
                 continue
             if c.method == "draft_model":  # the draft model fills them in on the device, in the call
                 found[seq] = [RESERVED_DRAFT] * room
@@ -124,10 +126,16 @@ class Speculator:
                 unmatched[seq] = [RESERVED_DRAFT] * room
         return unmatched
 
-    @staticmethod
-    def _rest(rows: list[Sequence]) -> None:
+    def rate(self, seq: Sequence) -> float:
+        """A sequence's running acceptance rate; before its first verification, the rate of the
+        engine's verifications so far (`prior`): requests of one workload propose alike, and a new
+        one that starts at 1 verifies a free text's chance matches at a loss."""
+        return self.prior if seq.spec_rate is None else seq.spec_rate
+
+    def _rest(self, rows: list[Sequence]) -> None:
         for seq in rows:
-            seq.spec_rate += (1.0 - seq.spec_rate) * RATE_RECOVERY
+            rate = self.rate(seq)
+            seq.spec_rate = rate + (1.0 - rate) * RATE_RECOVERY
 
     @property
     def quiet(self) -> bool:
@@ -180,10 +188,9 @@ class Speculator:
         """A verification's expected tokens per second against a decode step's."""
         return (num_rows + self._gain(found)) / verify >= num_rows / step
 
-    @staticmethod
-    def _gain(found: dict[Sequence, list[int]]) -> float:
+    def _gain(self, found: dict[Sequence, list[int]]) -> float:
         """Drafts the rows expect to have accepted: each row's rate times its drafts."""
-        return sum(seq.spec_rate * len(d) for seq, d in found.items())
+        return sum(self.rate(seq) * len(d) for seq, d in found.items())
 
     def expects_enough(self, found: dict[Sequence, list[int]], num_rows: int) -> bool:
         """The rule without timed costs: MIN_EXPECTED_PER_ROW accepted drafts expected per row."""
@@ -237,7 +244,9 @@ class Speculator:
         k["spec_decode_num_accepted_tokens"] += num_accepted
         for pos in range(num_accepted):
             k["spec_decode_num_accepted_tokens_per_pos"][pos] += 1
-        seq.spec_rate += RATE_WEIGHT * (num_accepted / num_drafts - seq.spec_rate)
+        rate = self.rate(seq)
+        seq.spec_rate = rate + RATE_WEIGHT * (num_accepted / num_drafts - rate)
+        self.prior += PRIOR_WEIGHT * (num_accepted / num_drafts - self.prior)
 
     def stats(self) -> dict:
         k = self.counters

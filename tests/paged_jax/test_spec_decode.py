@@ -295,6 +295,28 @@ def test_speculation_rests_where_proposals_fail():
     assert spec.propose([_sequence(seq.token_ids, max_tokens=8)]) == {}
 
 
+def test_a_new_sequence_starts_at_the_engines_acceptance_rate():
+    """Each verification moves the rate new sequences start from 10% of the way to its acceptance:
+    after chance matches in free text kept failing, a new request's match is not worth verifying
+    (where a start at 1 verified it); the row rests toward 1 and probes, and what it accepts
+    raises the rate the next ones start from."""
+    spec = speculative.Speculator(speculative.SpeculativeConfig("ngram", 4, 1, 2), max_model_len=100,
+                                  max_num_seqs=8, max_num_batched_tokens=64, timed=False)
+    tokens = [3, 4, 5, 6, 3, 4, 5, 6, 3]
+    first = _sequence(tokens)
+    assert spec.rate(first) == 1.0 and spec.propose([first]) == {first: [4, 5, 6, 3]}
+    for _ in range(20):
+        spec.record(first, 4, 0)
+    assert first.spec_rate == 0.5 ** 20 and spec.prior == pytest.approx(0.9 ** 20)  # 0.12: 0.49 drafts expected
+    new = _sequence(tokens)
+    assert new.spec_rate is None and spec.rate(new) == spec.prior
+    assert spec.propose([new]) == {}
+    assert new.spec_rate == pytest.approx(0.9 ** 20 + (1 - 0.9 ** 20) * speculative.RATE_RECOVERY)
+    assert spec.propose([new]) == {new: [4, 5, 6, 3]}  # 0.139: a probe
+    spec.record(new, 4, 4)
+    assert spec.prior == pytest.approx(0.9 ** 21 + 0.1)
+
+
 def test_calls_are_planned_ahead_only_while_proposing_finds_nothing():
     """After the n-th propose in a row that chose nothing (no verification, no probe), min(n,
     MAX_QUIET_CALLS) calls may be planned before the last call's tokens are known, each letting the
