@@ -63,7 +63,8 @@ def make_rows(rng, batch: int, length: int) -> list[Sequence]:
         if i % 2 == 0:  # quotes its first half
             tokens[length // 2:] = tokens[: length - length // 2]
         request = Request(str(i), None, tokens[:8], params, 0.0)
-        rows.append(Sequence(request, 0, tokens, np.zeros(2, np.uint32), status=Status.RUNNING, num_computed=length - 1))
+        rows.append(Sequence(request, 0, tokens, np.zeros(2, np.uint32), status=Status.RUNNING,
+                             num_computed=length - 1))
     return rows
 
 

@@ -10,11 +10,12 @@ the device in the verifying call itself (worker/draft_proposer.py: k draft steps
 forward): the plan reserves their slots with a stand-in token, RESERVED_DRAFT.
 
 Speculation turns itself down where it does not pay (vLLM's does not): each sequence keeps a
-running acceptance rate, from the engine's own so far; one whose proposals keep failing stops
-proposing and decodes in the K-step loop, probing again as the rate recovers. And a call verifies only when its expected tokens per
-second beat a plain decode step's, both timed on this device as the engine runs (a verification
-of 1 + k tokens per row costs about one step where reading the weights dominates, a GPU at small
-batch, but several on a CPU, whose cost follows the tokens computed).
+running acceptance rate, starting from the engine's own so far; one whose proposals keep failing
+stops proposing and decodes in the K-step loop, probing again as the rate recovers. And a call
+verifies only when its expected tokens per second beat a plain decode step's, both timed on this
+device as the engine runs (a verification of 1 + k tokens per row costs about one step where
+reading the weights dominates, a GPU at small batch, but several on a CPU, whose cost follows the
+tokens computed).
 """
 from __future__ import annotations
 
