@@ -32,11 +32,12 @@ def pytest_collection_modifyitems(config, items):
 def untimed_speculation(monkeypatch):
     """Speculative decoding that verifies (and shortens decode calls to look for matches) by the
     rows' acceptance alone, not by the costs it times (which follow this machine's load and the
-    calls that compiled): a test's count of verifications does not depend on timing."""
+    calls that compiled), as a multi-process engine's does: a test's count of verifications, and
+    of calls planned ahead, does not depend on timing."""
     from paged_jax.engine import speculative
 
-    monkeypatch.setattr(speculative.Speculator, "_worth_verifying", speculative.Speculator.expects_enough)
-    monkeypatch.setattr(speculative.Speculator, "_worth_probing", speculative.Speculator.expects_enough)
+    init = speculative.Speculator.__init__
+    monkeypatch.setattr(speculative.Speculator, "__init__", lambda self, *a, **kw: init(self, *a, **{**kw, "timed": False}))
 
 
 @pytest.fixture(scope="session")

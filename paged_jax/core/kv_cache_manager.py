@@ -74,12 +74,16 @@ class KVCacheManager:
         blocks = pool.queue[head]
         return blocks[pool.cached[blocks]].tolist()
 
-    def tables_for(self, slots) -> tuple[np.ndarray, np.ndarray]:
+    def tables_for(self, slots, pauses=None) -> tuple[np.ndarray, np.ndarray]:
         """(i32[rows, width] block tables, i32[rows] mapped token slots) of sequence slots (-1: a
-        finished row, null), as wide as the most blocks one maps: what the device reads of the pool."""
+        finished row, null), as wide as the most blocks one maps: what the device reads of the pool.
+        `pauses`: where the first rows of a decode call stop (`reserve_lookahead`), before the end
+        of what they map where a rejected tail left more."""
         slots = np.asarray(slots, np.int32)
         num_mapped = np.where(slots >= 0, self.pool.seq_lens[slots], 0).astype(np.int32)
         width = max(-(-int(num_mapped.max(initial=0)) // self.block_size), 1)
+        if pauses is not None:
+            num_mapped[: len(pauses)] = np.minimum(num_mapped[: len(pauses)], pauses)
         return bp.rows(self.pool, slots, width).block_tables, num_mapped
 
     # -- what the scheduler does --------------------------------------------------------------
@@ -184,7 +188,9 @@ class KVCacheManager:
         at once; each row pauses at its J-th token (the call stops it there). No row is preempted
         for lookahead: preemption happens exactly when a row cannot get its next token's block, and
         the call then stops where the pool ran dry, as the in-loop allocation it replaces did.
-        -> whether every row that can still run got at least one step."""
+        -> where each row pauses: its J-th token, or further where its table maps more (a
+        rejected tail), up to num_decode_steps and its end; None where a row that can still run
+        got no step."""
         ends = [self.lookahead_len(seq, c, o, num_decode_steps) for seq, c, o in zip(seqs, computed, num_output)]
         mapped = [self.num_mapped(seq.slot) for seq in seqs]
         have = [self.num_blocks_for(m) for m in mapped]
@@ -196,12 +202,12 @@ class KVCacheManager:
             return sum(max(0, self.num_blocks_for(t) - h) for t, h in zip(targets(steps), have))
 
         if need(1) > self.num_free:
-            return False
+            return None
         steps = 1
         while steps < num_decode_steps and need(steps + 1) <= self.num_free:
             steps += 1
         self.grow(seqs, targets(steps))
-        return True
+        return [min(target, end) for target, end in zip(targets(steps), ends)]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every prefix-cache entry, the host tier's too; False, changing nothing, while any

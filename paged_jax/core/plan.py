@@ -32,6 +32,10 @@ class Plan:
     # Speculative decoding: the proposals each decoding row verifies in this call (its scheduled
     # tokens are its last sampled one and these); empty in a call that verifies none.
     drafts: dict[Sequence, list[int]] = dataclasses.field(default_factory=dict)
+    # Rows planned while the verification before ran, as if it accepted every draft they proposed
+    # there (AsyncScheduler.schedule_next): the device moves them back by what it rejected, so the
+    # call verifies (its program's shape) even where no row proposes.
+    optimistic: set[Sequence] = dataclasses.field(default_factory=set)
     # A decode call leaves as soon as one row finishes, so that the requests waiting after this
     # plan are admitted then (serial scheduling only: AsyncScheduler plans from where rows end).
     stop_on_finish: bool = False
@@ -50,6 +54,10 @@ class Plan:
     # A decode call that continues the decode call before it, its rows in the same order
     # (AsyncScheduler._continue_decode): the device builds its batch from that call's output.
     continues: bool = False
+
+    @property
+    def verifies(self) -> bool:
+        return bool(self.drafts or self.optimistic)
 
     @property
     def host_loads(self) -> list[tuple[int, list[int], int]]:

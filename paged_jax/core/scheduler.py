@@ -101,8 +101,8 @@ class Scheduler:
         speculative proposals of decoding rows, scheduled after their last sampled token (as far as
         the token budget allows) and verified by the call; blocks are mapped for them like any
         token, and only the verified ones count as computed (`update_from_output`), so a rejected
-        tail is rolled back by the row's length alone: its blocks stay mapped and the row's next
-        call, which always reaches further, writes over them (vLLM keeps them too). `overlapped`
+        tail is rolled back by the row's length alone: its blocks stay mapped for the row's next
+        calls to write over (vLLM keeps them too; a decode call pauses at its steps). `overlapped`
         (AsyncScheduler.schedule_next): None, changing nothing, where it would preempt or schedule
         nothing."""
         plan, self._copies_pending = Plan(copies_first=self._copies_pending), []
@@ -200,12 +200,12 @@ class Scheduler:
         plan.stop_on_finish = bool(self.waiting) and self.stops_for_waiting
         plan.is_decode = bool(plan.scheduled) and not (plan.admitted or plan.forks or plan.preempted) and all(
             n == 1 and seq.num_tokens - seq.num_computed == 1 for seq, n in plan.scheduled)
-        if plan.is_decode:
-            seqs, steps = [seq for seq, _ in plan.scheduled], self.num_decode_steps
-            kv.reserve_lookahead(seqs, [s.num_computed for s in seqs], [s.num_output for s in seqs], steps)
+        seqs = [seq for seq, _ in plan.scheduled] if plan.is_decode else []
+        pauses = seqs and kv.reserve_lookahead(seqs, [s.num_computed for s in seqs], [s.num_output for s in seqs],
+                                               self.num_decode_steps)
         plan.one_step = any(seq.request.one_step_per_call for seq, _ in plan.scheduled)
         plan.tier_out = self.host.take_tier_out()
-        self._set_tables(plan)
+        self._set_tables(plan, pauses or None)
         return plan
 
     def _fork_children(self, seq: Sequence, n: int, plan: Plan) -> None:
@@ -231,10 +231,10 @@ class Scheduler:
         child.status = Status.RUNNING
         self.running.insert(self.running.index(parent) + 1, child)
 
-    def _set_tables(self, plan: Plan) -> None:
-        """What the device reads of the pool: the rows' tables and mapped token slots (KVCacheManager.tables_for)."""
+    def _set_tables(self, plan: Plan, pauses=None) -> None:
+        """What the device reads of the pool: the rows' tables and mapped slots (a decode call's cut to `pauses`)."""
         slots = [s.slot for s, _ in plan.scheduled] + [c.slot for c, _ in plan.forks]
-        plan.block_tables, plan.num_mapped = self.kv_manager.tables_for(slots)
+        plan.block_tables, plan.num_mapped = self.kv_manager.tables_for(slots, pauses)
 
     def reset_prefix_cache(self) -> bool:
         """KVCacheManager.reset_prefix_cache: False, changing nothing, while a request holds a block."""
@@ -277,7 +277,7 @@ class Scheduler:
             if n is None:  # a forked child: the parent's computed prompt
                 seq.num_computed = seq.num_tokens
             elif plan.advanced:  # applied when the next call was planned (AsyncScheduler)
-                seq.drop_pending(taken, plan.is_decode)
+                seq.drop_pending(taken, plan.is_decode or seq in plan.drafts)
             else:  # a decoding row's cache holds its last token and the drafts it accepted
                 seq.num_computed += taken if plan.is_decode or seq in plan.drafts else n
             seq.token_ids += output.tokens[row, :taken].tolist()

@@ -71,14 +71,15 @@ class Sequence:
     def finished(self) -> bool:
         return self.status >= Status.FINISHED_STOPPED
 
-    def drop_pending(self, taken: int, decode: bool) -> None:
+    def drop_pending(self, taken: int, assumed: bool) -> None:
         """Remove the PENDING tokens an overlapped plan appended: their call's `taken` tokens follow.
-        A decode row was taken to its reservation's end, and computed fewer where it stopped early
-        (a stop token) than it was given PENDING tokens."""
+        `assumed`: they counted as computed, all but the last: a decode row was taken to its
+        reservation's end, and a verifying row as if every draft were accepted; where it stopped
+        early (a stop token) or a draft was rejected, it computed fewer."""
         known = len(self.token_ids)
         while known and self.token_ids[known - 1] == PENDING:
             known -= 1
-        if decode:
+        if assumed:
             self.num_computed -= len(self.token_ids) - known - taken
         del self.token_ids[known:]
 

@@ -186,14 +186,17 @@ class LLMEngine:
                 touched.add(request.request_id)
             else:
                 self._schedule(request)
-        after = None
-        if call is not None and (self.speculator is None or self.speculator.quiet):
+        after, spec = None, self.speculator
+        if call is not None and spec is not None and spec.plans_ahead(len(self.scheduler.running)):
+            after = self.scheduler.schedule_next(call.plan, spec.propose_ahead)
+        elif call is not None and (spec is None or spec.quiet):
             after = self.scheduler.schedule_next(call.plan)
         if after is not None:  # planned while `call` runs
-            if self.speculator:
-                self.speculator.planned_ahead(self.scheduler.running)
+            if spec:
+                spec.planned_ahead(self.scheduler.running)
             stats_lib.count_plan(self.counters, after)
             self.counters["overlapped_calls"] += 1
+            self.counters["overlapped_verifications"] += bool(after.drafts)
             self._in_flight = self.model_runner.dispatch(after, prev=call if after.continues else None)
             touched |= self._report(call, self._apply(call))
             call = None
@@ -226,8 +229,9 @@ class LLMEngine:
         if self.speculator:
             self.speculator.limit_decode(plan)
         stats_lib.count_plan(self.counters, plan)
+        compiles = speculative.num_compiles()
         call = self.model_runner.dispatch(plan)
-        call.timed = True
+        call.compiles = compiles
         return call
 
     def _apply(self, call: model_runner.Call):
@@ -235,8 +239,8 @@ class LLMEngine:
         transitions, the speculator's acceptance and costs, the grammars' advance -> (output,
         progressed) for `_report`."""
         plan, output = call.plan, self.model_runner.fetch(call)
-        if self.speculator and call.timed:  # dispatched onto an idle device: its time in the pipeline
-            self.speculator.observe_call(plan, int(output.steps), time.perf_counter() - call.start)
+        if self.speculator and call.compiles is not None:  # dispatched onto an idle device
+            self.speculator.observe_call(plan, int(output.steps), time.perf_counter() - call.start, call.compiles)
         progressed = self.scheduler.update_from_output(plan, output)
         if self.speculator:
             self.speculator.record_call(plan, output, progressed)

@@ -7,7 +7,9 @@ verification is a ragged prefill row of 1 + k tokens (worker/rejection_sampler.p
 keeps the accepted prefix); a rejected tail is rolled back by the scheduler's bookkeeping alone
 (core/scheduler.py: only verified tokens count as computed). A draft model's proposals are made on
 the device in the verifying call itself (worker/draft_proposer.py: k draft steps, then the target's
-forward): the plan reserves their slots with a stand-in token, RESERVED_DRAFT.
+forward): the plan reserves their slots with a stand-in token, RESERVED_DRAFT, so with async
+scheduling its verifications are planned while the call before runs (`propose_ahead`), as if that
+call accepted every draft (AsyncScheduler.schedule_next).
 
 Speculation turns itself down where it does not pay (vLLM's does not): each sequence keeps a
 running acceptance rate, starting from the engine's own so far; one whose proposals keep failing
@@ -52,6 +54,12 @@ def _listen_for_compiles() -> None:  # once per process
     jax.monitoring.register_event_duration_secs_listener(_count_compiles)
 
 
+def num_compiles() -> int:
+    """jax's traces and compiles in this process so far, once a Speculator exists: a call during
+    which jax compiled is not timed."""
+    return _NUM_COMPILES[0]
+
+
 class Speculator:
     """Which running rows propose, and what; fed back with each verification's acceptance."""
 
@@ -61,9 +69,9 @@ class Speculator:
         self.max_model_len = max_model_len
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         # Seconds per decode step by padded rows, per verification call by padded tokens (the
-        # programs' shapes); a call during which jax compiled is not timed.
+        # programs' shapes), from calls dispatched onto an idle device during which jax did not compile.
         self.costs: dict[tuple[str, int], float] = {}
-        self._compiles_at_propose = 0
+        self._ahead: dict[Sequence, list[int]] | None = None  # `propose_ahead`'s, until its plan runs
         self.prior = 1.0  # a new sequence's acceptance rate (`rate`): 1 until anything was verified
         self._history = ngram.TokenHistory()  # the n-gram rows' tokens as arrays
         self._probing = False  # the last `propose` found rows to speculate but no match for any
@@ -86,8 +94,10 @@ class Speculator:
         """The drafts of the decoding rows worth a verification call, or {} for a plain decode call.
         Rows that verify nothing this call move their rate back toward 1, so a resting row probes
         again after a while."""
+        if self._ahead is not None:  # made for a plan ahead that could not run: its rows' rooms hold
+            chosen, self._ahead = self._ahead, None
+            return chosen
         c, found, rows, lookups = self.config, {}, [], {}
-        self._compiles_at_propose = _NUM_COMPILES[0]
         for seq in running:
             if seq.num_tokens - seq.num_computed != 1 or not self._may_speculate(seq):
                 continue
@@ -146,9 +156,28 @@ class Speculator:
         repeat is verified at most that many calls late."""
         return self._quiet_calls > 0
 
+    def plans_ahead(self, num_rows: int) -> bool:
+        """Whether the next call's proposals can be made before the last call's tokens are known,
+        though it may verify (`propose_ahead`): a draft model's, which the device makes in the call,
+        once a decode step and a verification of `num_rows` rows were timed (a call planned ahead
+        is not: the device was busy when it was dispatched). An n-gram proposal needs the tokens."""
+        k = self.config.num_speculative_tokens
+        return self.config.method == "draft_model" and (not self.timed or (
+            self.step_key(num_rows) in self.costs and self.verify_key(num_rows * (1 + k)) in self.costs))
+
+    def propose_ahead(self, running: list[Sequence]) -> dict[Sequence, list[int]]:
+        """`propose` for a call planned before the last one's tokens are known (the rows hold them
+        as PENDING, as if every draft was accepted: their rooms are no larger than they will be);
+        kept for the next `propose` unless `planned_ahead` says its plan ran."""
+        self._ahead = self.propose(running)
+        return self._ahead
+
     def planned_ahead(self, running: list[Sequence]) -> None:
-        """A call was planned ahead: it verifies nothing, so the rows' rates recover as in a call
-        `propose` made without them."""
+        """A call was planned ahead. Proposed for (`propose_ahead`): the proposal is used. Else it
+        verifies nothing, so the rows' rates recover as in a call `propose` made without them."""
+        if self._ahead is not None:
+            self._ahead = None
+            return
         self._quiet_calls -= 1
         self._rest([seq for seq in running if self._may_speculate(seq)])
 
@@ -204,10 +233,7 @@ class Speculator:
         return "verify", batching.token_bucket(num_tokens, self.max_num_batched_tokens, verifying=True)
 
     def observe(self, key: tuple[str, int], seconds: float) -> None:
-        """A timed call, planned by the last `propose`: a decode step (`step_key`) or a
-        verification of decoding rows alone; left out if jax compiled meanwhile."""
-        if _NUM_COMPILES[0] != self._compiles_at_propose:
-            return
+        """A timed call: a decode step (`step_key`) or a verification of decoding rows alone."""
         old = self.costs.get(key)
         self.costs[key] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
 
@@ -219,10 +245,12 @@ class Speculator:
         request = seq.request
         return not request.one_step_per_call and request.params.structured_outputs is None
 
-    def observe_call(self, plan, steps: int, seconds: float) -> None:
-        """A call timed from its start on an idle device to its output: a decode call's seconds per
-        step, or a verification of decoding rows alone (a prefill chunk in the call would price it
-        as well)."""
+    def observe_call(self, plan, steps: int, seconds: float, compiles: int) -> None:
+        """A call timed from its start on an idle device to its output, `compiles` jax's count when
+        it started (none since, else its time is not a cost): a decode call's seconds per step, or a
+        verification of decoding rows alone (a prefill chunk in the call would price it as well)."""
+        if compiles != _NUM_COMPILES[0]:
+            return
         if plan.is_decode and steps:
             self.observe(self.step_key(len(plan.scheduled)), seconds / steps)
         elif plan.drafts and not (plan.admitted or plan.forks or plan.preempted) and all(

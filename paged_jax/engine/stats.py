@@ -6,7 +6,7 @@ from __future__ import annotations
 def new_counters() -> dict:
     return dict(prompt_tokens=0, generation_tokens=0, prefill_tokens=0, prefill_steps=0, decode_calls=0,
                 decode_steps=0, model_steps=0, running_steps=0, max_num_running=0, busy_seconds=0.0,
-                peak_blocks_used=0, overlapped_calls=0)
+                peak_blocks_used=0, overlapped_calls=0, overlapped_verifications=0)
 
 
 def count_plan(k: dict, plan) -> None:
@@ -38,5 +38,5 @@ def engine_stats(c, k: dict, scheduler: dict, speculator: dict, runner: dict) ->
         prefill_tokens=k["prefill_tokens"], max_num_running=k["max_num_running"],
         mean_num_running=k["running_steps"] / max(k["model_steps"], 1),
         prefill_steps=k["prefill_steps"], decode_calls=k["decode_calls"], decode_steps=k["decode_steps"],
-        overlapped_calls=k["overlapped_calls"],
+        overlapped_calls=k["overlapped_calls"], overlapped_verifications=k["overlapped_verifications"],
         busy_seconds=k["busy_seconds"], generation_throughput=k["generation_tokens"] / busy, **speculator, **runner)

@@ -62,6 +62,10 @@ class PrefillBatch:
     # after draft j - 1), -1 pad. J = num_speculative_tokens + 1 in a call that verifies, else 0.
     spec_rows: np.ndarray  # i32[B, J]
     drafts: np.ndarray  # i32[B, J - 1]
+    # Rows planned while the verification before this call ran, as if it had accepted every draft
+    # (AsyncScheduler.schedule_next): the device moves them back by what it rejected. bool[B] in a
+    # call that verifies, else bool[0] (only a verifying call follows one).
+    optimistic: np.ndarray
 
 
 @jax.tree_util.register_dataclass
@@ -106,15 +110,16 @@ def prefill_batch(plan: Plan, *, block_size: int, max_num_seqs: int, max_blocks_
     rows = prefill_rows(plan)
     index = {seq.slot: i for i, seq in enumerate(rows)}
     num_rows = bucket(len(rows), max_num_seqs)
-    size = token_bucket(sum(n for _, n in plan.scheduled), token_cap, verifying=bool(plan.drafts))
+    size = token_bucket(sum(n for _, n in plan.scheduled), token_cap, verifying=plan.verifies)
     i32 = np.int32
     tables = _tables(plan, num_rows, max_blocks_per_seq)
-    width = num_speculative_tokens + 1 if plan.drafts else 0
+    width = num_speculative_tokens + 1 if plan.verifies else 0
     b = dict(slots=np.full(num_rows, -1, i32), tokens=np.zeros(size, i32), positions=np.zeros(size, i32),
              token_row=np.full(size, -1, i32), block_tables=tables, query_start_loc=np.zeros(num_rows + 1, i32),
              attn_seq_lens=np.zeros(num_rows, i32), logits_rows=np.full(num_rows, -1, i32),
              num_output=np.zeros(num_rows, i32), total_len=np.zeros(num_rows, i32),
-             spec_rows=np.full((num_rows, width), -1, i32), drafts=np.full((num_rows, max(width - 1, 0)), -1, i32))
+             spec_rows=np.full((num_rows, width), -1, i32), drafts=np.full((num_rows, max(width - 1, 0)), -1, i32),
+             optimistic=np.zeros(num_rows if width else 0, bool))
     b["slots"][: len(rows)] = [seq.slot for seq in rows]
     at = 0
     for i, (seq, n) in enumerate(plan.scheduled):
@@ -124,6 +129,8 @@ def prefill_batch(plan: Plan, *, block_size: int, max_num_seqs: int, max_blocks_
         b["positions"][at:at + n] = np.arange(start, start + n)
         b["token_row"][at:at + n] = i
         b["attn_seq_lens"][i] = start + n
+        if seq in plan.optimistic:
+            b["optimistic"][i] = True
         if end == seq.num_tokens:  # the chunk completes what is known: sample the next token
             b["logits_rows"][i] = at + n - 1 - len(drafts)
             b["num_output"][i], b["total_len"][i] = seq.num_output + 1, seq.num_tokens + 1

@@ -143,7 +143,8 @@ def _state(engine, *, penalties=False) -> runner.DeviceState:
     return runner.DeviceState(cache=_placed(cache, specs, engine.placement),
                               output_counts=_replicated(engine, np.zeros((c.max_num_seqs, vocab), np.int32)),
                               prompt_mask=_replicated(engine, np.zeros((c.max_num_seqs, vocab), bool)),
-                              last_sampled=_replicated(engine, np.zeros(c.max_num_seqs, np.int32)))
+                              last_sampled=_replicated(engine, np.zeros(c.max_num_seqs, np.int32)),
+                              num_rejected=_replicated(engine, np.zeros(c.max_num_seqs, np.int32)))
 
 
 def _sequences(lengths, slot_offset=0) -> list[Sequence]:

@@ -38,8 +38,9 @@ class Call:
     start: float  # perf_counter when the step's jitted call began (its inputs built)
     copying: CopyOut | None  # device -> host copies in flight
     kind: str  # "decode_" or "": the counters it adds to
-    # Dispatched onto an idle device (the call before it fetched): its start is the device's.
-    timed: bool = False
+    # Dispatched onto an idle device (the call before it fetched), so its start is the device's:
+    # jax's compiles so far then (speculation times such a call unless jax compiled meanwhile).
+    compiles: int | None = None
 
 
 class ModelRunner:
@@ -65,6 +66,7 @@ class ModelRunner:
                                         output_counts=self._place(empty.astype(np.int32)),
                                         prompt_mask=self._place(empty.astype(bool)),
                                         last_sampled=self._place(np.zeros(c.max_num_seqs, np.int32)),
+                                        num_rejected=self._place(np.zeros(c.max_num_seqs, np.int32)),
                                         draft_cache=None if draft_model is None else self._init_cache(draft_model))
         # Swapping and the host prefix cache: swap_space GiB of host blocks, each as large as a device
         # block (both models' K/V with a draft).

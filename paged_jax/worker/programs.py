@@ -44,7 +44,7 @@ def abstract_state(model, sizing: Sizing) -> runner.DeviceState:
                                                     kv_cache_dtype=s.kv_cache_dtype))
     return runner.DeviceState(cache=cache, output_counts=jax.ShapeDtypeStruct((s.max_num_seqs, 0), jnp.int32),
                               prompt_mask=jax.ShapeDtypeStruct((s.max_num_seqs, 0), bool),
-                              last_sampled=_i32(s.max_num_seqs))
+                              last_sampled=_i32(s.max_num_seqs), num_rejected=_i32(s.max_num_seqs))
 
 
 def _i32(*shape):
@@ -78,7 +78,8 @@ def prefill_program(model, sizing: Sizing, *, num_tokens: int, num_rows: int, wi
         block_tables=_i32(r, width), query_start_loc=_i32(r + 1), attn_seq_lens=_i32(r), logits_rows=_i32(r),
         copy_src=_i32(0), copy_dst=_i32(0), num_output=_i32(r), total_len=_i32(r),
         prompt_lp_tokens=_i32(0), prompt_lp_targets=_i32(0), prompt_lp_rows=_i32(0), prompt_lp_positions=_i32(0),
-        swap_blocks=_i32(0), spec_rows=_i32(r, j), drafts=_i32(r, max(j - 1, 0)))
+        swap_blocks=_i32(0), spec_rows=_i32(r, j), drafts=_i32(r, max(j - 1, 0)),
+        optimistic=jax.ShapeDtypeStruct((r if j else 0,), bool))
     sp = batching.row_params([], r, (), sizing.max_model_len)
     flags = runner.Flags(sizing.attention_backend)
     return runner.prefill_step.lower(graphdef, params, abstract_state(model, sizing), batch, sp, flags=flags).compile()

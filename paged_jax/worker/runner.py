@@ -42,6 +42,9 @@ class DeviceState:
     # one before it has returned: a batch token the host does not know yet is -1 there, and the call
     # reads it here (`_fill_pending`), never fetched first.
     last_sampled: jax.Array
+    # i32[max_seqs]: the drafts each slot's latest verification rejected, by which a call planned
+    # before that one returned, as if it accepted every draft, moves its rows back (`_move_back`).
+    num_rejected: jax.Array
     # Speculative decoding with a draft model: its pages, under the target's block ids (the same
     # tables and slots), written by every forward the target runs; None without one.
     draft_cache: KVCache | None = None
@@ -101,6 +104,21 @@ def _fill_pending(state: DeviceState, tokens, slots, live):
     return jnp.where(pending, state.last_sampled[jnp.maximum(slots, 0)], tokens)
 
 
+def _move_back(state: DeviceState, batch: PrefillBatch) -> PrefillBatch:
+    """The batch with its optimistic rows (Plan.optimistic) moved back by the drafts the call before
+    rejected: positions, KV slots and lengths. Their tables map the blocks of the longest outcome."""
+    back = jnp.where(batch.optimistic, state.num_rejected[jnp.maximum(batch.slots, 0)], 0)
+    row = jnp.maximum(batch.token_row, 0)
+    moved = (batch.token_row >= 0) & (back[row] > 0)
+    positions = batch.positions - jnp.where(moved, back[row], 0)
+    size, width = state.cache.block_size, batch.block_tables.shape[1]
+    block = batch.block_tables[row, jnp.minimum(positions // size, width - 1)]
+    slots = jnp.where(block > 0, block * size + positions % size, -1)
+    return dataclasses.replace(batch, positions=positions, slot_mapping=jnp.where(moved, slots, batch.slot_mapping),
+                               attn_seq_lens=batch.attn_seq_lens - back, num_output=batch.num_output - back,
+                               total_len=batch.total_len - back)
+
+
 def _put_counts(state: DeviceState, slots, counts) -> DeviceState:
     target = jnp.where(slots >= 0, slots, state.output_counts.shape[0])
     return dataclasses.replace(state, output_counts=state.output_counts.at[target].set(counts, mode="drop"))
@@ -120,6 +138,9 @@ def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: 
     num_rows = batch.slots.shape[0]
     token_slots = batch.slots[jnp.maximum(batch.token_row, 0)]
     batch = dataclasses.replace(batch, tokens=_fill_pending(state, batch.tokens, token_slots, batch.token_row >= 0))
+    verifying = batch.drafts.shape[1] > 0  # static: some row's proposals are scored (speculative decoding)
+    if verifying:
+        batch = _move_back(state, batch)
     caches = state.caches
     if swapped is not None:
         caches = tuple(swap.scatter_blocks(c, batch.swap_blocks, s) for c, s in zip(caches, swapped))
@@ -127,7 +148,6 @@ def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: 
     md = AttentionMetadata(slot_mapping=batch.slot_mapping, block_tables=batch.block_tables,
                            seq_lens=batch.attn_seq_lens, query_start_loc=batch.query_start_loc)
     model = nnx.merge(graphdef, params)
-    verifying = batch.drafts.shape[1] > 0  # static: some row's proposals are scored (speculative decoding)
     draft_probs = None
     if draft_graphdef is not None:
         draft_model = nnx.merge(draft_graphdef, draft_params)
@@ -168,6 +188,10 @@ def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: 
         finish = sampler.stop_check(tokens[:, 0], sp, batch.num_output, batch.total_len)
     tokens = jnp.where(live[:, None], tokens, -1)
     new = _keep_last_sampled(state.with_caches(caches), batch.slots, tokens)
+    if verifying:
+        rejected = jnp.sum(batch.drafts >= 0, axis=1) - accepted
+        target = jnp.where(live, batch.slots, new.num_rejected.shape[0])
+        new = dataclasses.replace(new, num_rejected=new.num_rejected.at[target].set(rejected, mode="drop"))
     if penalties is not None:
         new = _put_counts(new, batch.slots, _count_tokens(penalties[0], tokens))
     out = ModelOutput(tokens=tokens, logprob=logprob, rank=rank, top_ids=top_ids, top_logprobs=top_lps,

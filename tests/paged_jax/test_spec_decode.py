@@ -10,7 +10,10 @@ import pytest
 from scipy import stats
 
 from paged_jax import LLM, SamplingParams
-from paged_jax.core.sequence import Request, Sequence
+from paged_jax.core.async_scheduler import AsyncScheduler
+from paged_jax.core.model_output import ModelOutput
+from paged_jax.core.plan import Plan
+from paged_jax.core.sequence import PENDING, Request, Sequence
 from paged_jax.engine import ngram, speculative
 from paged_jax.engine.arg_utils import EngineArgs
 from paged_jax.worker import batching, rejection_sampler
@@ -224,9 +227,12 @@ def test_a_call_verifies_when_its_tokens_per_second_beat_a_decode_step():
     spec.observe(spec.step_key(1), 0.010)
     spec.observe(spec.verify_key(5), 0.049)
     assert spec.costs == {("step", 1): 0.010, ("verify", 8): 0.049}
+    compiles = speculative.num_compiles()
     speculative._NUM_COMPILES[0] += 1  # jax compiled during the call: its time is not a cost
-    spec.observe(spec.verify_key(5), 1.0)
+    spec.observe_call(Plan(scheduled=[(seq, 5)], drafts={seq: [4, 5, 6, 3]}), 1, 1.0, compiles)
     assert spec.costs[("verify", 8)] == 0.049
+    spec.observe_call(Plan(scheduled=[(seq, 1)], is_decode=True), 2, 0.024, compiles + 1)
+    assert spec.costs[("step", 1)] == 0.010 + 0.2 * (0.012 - 0.010)
     spec.propose([])
     assert spec.propose([seq]) == {seq: [4, 5, 6, 3]}
     spec.observe(spec.verify_key(5), 0.054)  # the running cost moves a fifth of the way: 0.050
@@ -344,6 +350,60 @@ def test_calls_are_planned_ahead_only_while_proposing_finds_nothing():
     assert spec.propose([repeating]) == {repeating: [4, 5, 6, 3]} and not spec.quiet
     assert make().propose([repeating]) == {}  # no cost timed yet: a plain decode call first
     assert make(timed=False).propose([repeating]) == {repeating: [4, 5, 6, 3]}
+
+
+def _output(tokens, accepted=None):
+    """A call's output (core/model_output.py) of these tokens per row (-1 none)."""
+    t = np.array(tokens, np.int32)
+    zeros = np.zeros(t.shape, np.float32)
+    return ModelOutput(tokens=t, logprob=zeros, rank=zeros.astype(np.int32), top_ids=np.zeros((*t.shape, 0), np.int32),
+                       top_logprobs=np.zeros((*t.shape, 0), np.float32), finish=np.zeros(len(t), np.int32),
+                       steps=np.int32(1), num_accepted=None if accepted is None else np.array(accepted, np.int32))
+
+
+def test_a_verification_planned_ahead_assumes_every_draft_accepted_and_moves_back():
+    """AsyncScheduler.schedule_next after a call verifying 3 drafts of rows a and b: each holds them
+    and its next token as PENDING, computed, as if all were accepted; the next plan (a proposes
+    again, b does not) verifies, both rows optimistic, the batch's positions from the assumed
+    lengths. b accepted all 3: it stays; a accepted 1: processing the call moves it back by 2, as
+    the device moves the planned call's row. A decode call after that pauses a at its K steps,
+    not at the end of its table (which maps the longest outcome). Not planned ahead: without
+    proposals for the next call, or where a row's drafts could reach its max_tokens."""
+    def make(max_tokens=(64, 64)):
+        sched = AsyncScheduler(max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=32,
+                               max_blocks_per_seq=16, num_decode_steps=4, max_model_len=64)
+        seqs = []
+        for i, m in enumerate(max_tokens):
+            request = Request(str(i), None, [1 + i, 2, 3, 4, 5, 6], SamplingParams(max_tokens=m), 0.0)
+            request.seqs.append(Sequence(request, 0, list(request.prompt_token_ids), np.zeros(2, np.uint32)))
+            sched.add(request.seqs[0])
+            seqs.append(request.seqs[0])
+        sched.update_from_output(sched.schedule(), _output([[7], [8]]))
+        verify = sched.schedule({seq: [9, 9, 9] for seq in seqs})
+        assert verify.scheduled == [(seqs[0], 4), (seqs[1], 4)] and not verify.is_decode
+        return sched, seqs, verify
+
+    sched, (a, b), verify = make()
+    plan = sched.schedule_next(verify, lambda running: {a: [0, 0, 0]})
+    assert (a.num_computed, a.token_ids[6:]) == (10, [7] + [PENDING] * 4) and b.num_computed == 10
+    assert plan.scheduled == [(a, 4), (b, 1)] and plan.drafts == {a: [0, 0, 0]} and plan.optimistic == {a, b}
+    assert plan.verifies and not plan.is_decode and list(plan.num_mapped) == [14, 11]
+    batch = batching.prefill_batch(plan, block_size=4, max_num_seqs=4, max_blocks_per_seq=16, token_cap=64,
+                                   num_speculative_tokens=3)
+    assert batch.positions[:5].tolist() == [10, 11, 12, 13, 10] and batch.optimistic.tolist() == [True, True]
+    assert batch.tokens[:5].tolist() == [PENDING, 0, 0, 0, PENDING] and batch.spec_rows.shape == (2, 4)
+    sched.update_from_output(verify, _output([[9, 30, -1, -1], [9, 9, 9, 40]], accepted=[1, 3]))
+    assert (a.num_computed, a.token_ids[6:]) == (8, [7, 9, 30])
+    assert (b.num_computed, b.token_ids[6:]) == (10, [8, 9, 9, 9, 40])
+    sched.update_from_output(plan, _output([[50, -1, -1, -1], [60, -1, -1, -1]], accepted=[0, 0]))
+    assert (a.num_computed, a.num_tokens, sched.kv_manager.num_mapped(a.slot)) == (9, 10, 14)
+    decode = sched.schedule()  # a's table maps 14 (the longest outcome): its K = 4 steps end at 13
+    assert decode.is_decode and list(decode.num_mapped) == [13, 15]
+
+    sched, (a, b), verify = make()
+    assert sched.schedule_next(verify) is None and a.num_computed == 6  # no proposals: planned from the output
+    sched, (a, b), verify = make(max_tokens=(64, 5))  # b's 4 new tokens would give it 5
+    assert sched.schedule_next(verify, lambda running: {}) is None and b.num_computed == 6
 
 
 def test_greedy_outputs_equal_the_plain_engines(model, untimed_speculation):
@@ -509,9 +569,10 @@ def test_draft_model_greedy_outputs_equal_the_plain_engines(model, untimed_specu
     """Greedy requests sharing prefixes on a pool small enough to preempt, a draft model proposing
     in every call: with a noisy copy of the target as draft, the plain engine's tokens, some drafts
     rejected; with a random one-layer draft too, few accepted; with the target itself as draft,
-    every draft accepted, through recompute and swap
-    preemption, prefix hits and the host prefix tier's, so the draft's pages (under the target's
-    block ids) were in step with the target's wherever the target's were; each pool drains."""
+    every draft accepted, through recompute and swap preemption, prefix hits and the host prefix
+    tier's, so the draft's pages (under the target's block ids) were in step with the target's
+    wherever the target's were; each pool drains. Most verifications were planned while the one
+    before ran, as if it accepted every draft, and moved back on the device where it did not."""
     prompt = [5, 17, 99, 3, 42, 8, 5, 17, 99, 3]
     rng = np.random.default_rng(7)
     prompts = [[*prompt, *rng.integers(1, 128, int(n)).tolist()] for n in rng.integers(0, 12, 8)]
@@ -532,6 +593,8 @@ def test_draft_model_greedy_outputs_equal_the_plain_engines(model, untimed_specu
         assert_pool_drained(llm)
         if name == "noisy":
             assert s["spec_decode_num_drafts"] > 10 and 0.1 < s["spec_decode_acceptance_rate"] < 0.95
+        if name in ("noisy", "self"):  # verifications planned while the one before ran, moved back on the device
+            assert s["overlapped_verifications"] >= 8, s["overlapped_verifications"]
         if name == "random":  # it rests soon: a few verifications, few drafts accepted, calls planned ahead
             assert s["spec_decode_num_drafts"] > 0 and s["spec_decode_acceptance_rate"] < 0.1
             assert s["overlapped_calls"] > 0
