@@ -23,6 +23,12 @@ hides is measured rather than lost to the shared cores.
 `--num-requests` above `--batch-size` keeps requests waiting while the batch decodes, as on a
 saturated server: each decode call then runs with requests waiting, and the call after it admits
 them where rows reach their max_tokens.
+
+`--speculative-config` (vLLM's JSON) runs both engines with speculative decoding; a draft model
+"target" is the target itself, whose every draft is accepted: verification calls then follow
+each other, planned ahead of their predecessors' outputs in the overlapped engine. On a CPU a
+verification costs about as many steps as it has tokens, so the engine's timed costs turn it down;
+`--speculate-by-acceptance` verifies anyway, to measure the overlap of verification calls.
 """
 from __future__ import annotations
 
@@ -102,8 +108,11 @@ def measure(model, args, seq_len, rng) -> dict:
                             num_blocks=args.batch_size * -(-seq_len // args.block_size) + 1,
                             max_num_seqs=args.batch_size, max_num_batched_tokens=max(512, args.batch_size),
                             max_model_len=seq_len, num_decode_steps=args.num_decode_steps, log_stats=False,
-                            async_scheduling=overlapped)
+                            async_scheduling=overlapped, speculative_config=_speculative(args, model))
             for overlapped in (False, True)}
+    for llm in llms.values():
+        if args.speculate_by_acceptance:  # a multi-process engine's rule, not this machine's timed costs
+            llm.engine.speculator.timed = False
     timelines = {o: DeviceTimeline(llm.engine.model_runner) for o, llm in llms.items()}
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-4)
@@ -119,18 +128,25 @@ def measure(model, args, seq_len, rng) -> dict:
             for o in llms}
 
 
+def _speculative(args, model) -> dict | None:
+    """--speculative-config, its draft model "target" the target itself."""
+    config = args.speculative_config
+    return config and dict(config, **({"model": model} if config.get("model") == "target" else {}))
+
+
 def summarize(args, warmup, runs, before, after):
     d = {k: after[k] - before[k] for k in ("busy_seconds", "device_seconds", "device_busy", "decode_calls",
-                                           "prefill_steps", "overlapped_calls", "decode_bytes_to_device",
-                                           "decode_bytes_from_device")}
+                                           "prefill_steps", "overlapped_calls", "overlapped_verifications",
+                                           "decode_bytes_to_device", "decode_bytes_from_device")}
     calls = d["decode_calls"] + d["prefill_steps"]
     wall = sum(r["latency_s"] for r in runs)
     exposed = wall - d["device_busy"]  # the runs' time with the device idle
     host = dict(calls=calls, busy_seconds=d["busy_seconds"], device_seconds=d["device_seconds"], wall_seconds=wall,
                 device_busy_seconds=d["device_busy"], overlapped_calls=d["overlapped_calls"],
+                overlapped_verifications=d["overlapped_verifications"],
                 exposed_ms_per_call=1e3 * exposed / calls, exposed_share=exposed / wall,
-                decode_bytes_to_device=d["decode_bytes_to_device"] / d["decode_calls"],
-                decode_bytes_from_device=d["decode_bytes_from_device"] / d["decode_calls"])
+                decode_bytes_to_device=d["decode_bytes_to_device"] / max(d["decode_calls"], 1),
+                decode_bytes_from_device=d["decode_bytes_from_device"] / max(d["decode_calls"], 1))
     latency = [r["latency_s"] for r in runs]
     summary = dict(first_run_extra_s=warmup[0]["latency_s"] - float(np.median(latency)),
                    compile_s=warmup[0]["compile_s"], timed_runs_compile_s=sum(r["compile_s"] for r in runs))
@@ -171,6 +187,10 @@ def main(argv=None):
     ap.add_argument("--num-decode-steps", type=int, default=8, help="decode steps per device call (K)")
     ap.add_argument("--host-core", type=int, help="run the engine's host thread alone on this core, the CPU "
                     "device's compute on the others (a device apart from its host, as a GPU is)")
+    ap.add_argument("--speculative-config", type=json.loads, help="speculative decoding, as vLLM's JSON; a draft "
+                    'model "target" is the target itself (every draft accepted)')
+    ap.add_argument("--speculate-by-acceptance", action="store_true", help="verify whenever the rows' acceptance "
+                    "expects enough drafts (a multi-process engine's rule), whatever this device's timed costs say")
     ap.add_argument("--json", help="write the results here")
     benchlib.add_model_args(ap)
     args = ap.parse_args(argv)
@@ -200,7 +220,8 @@ def main(argv=None):
           f"({serial['exposed_share']:.1%} of the runs' time), overlapped {overlapped['exposed_ms_per_call']:.2f} "
           f"ms ({overlapped['exposed_share']:.1%}); the device busy {serial['device_busy_seconds']:.2f} s serial, "
           f"{overlapped['device_busy_seconds']:.2f} s overlapped; {overlapped['overlapped_calls']} of "
-          f"{overlapped['calls']} calls dispatched before the one before was processed")
+          f"{overlapped['calls']} calls dispatched before the one before was processed"
+          + (f" ({overlapped['overlapped_verifications']} verifying proposals)" if args.speculative_config else ""))
     print(f"each decode call of {args.num_decode_steps} steps sends {serial['decode_bytes_to_device'] / 1024:.1f} KiB "
           f"and fetches {serial['decode_bytes_from_device'] / 1024:.1f} KiB")
     benchlib.print_table(rows, [("name", "metric", "s"), ("mean", "mean", ".2f")]

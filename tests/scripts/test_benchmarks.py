@@ -101,6 +101,22 @@ def test_latency_reports_percentiles_and_compiles_only_in_the_first_run(tmp_path
     assert "decode per token (ms)" in printed and "end-to-end: " in printed
 
 
+def test_latency_with_a_draft_model_plans_its_verifications_ahead(tmp_path):
+    """--speculative-config with the target as its own draft (every draft accepted), k = 3, 16
+    tokens: after the prefill, verifications give each row 4 tokens a call; in the overlapped engine
+    all four are planned while the call before runs (the last with 2 drafts, its room), none in the
+    serial engine. --speculate-by-acceptance: verified whatever this machine's timings say."""
+    out = tmp_path / "latency.json"
+    config = '{"method": "draft_model", "model": "target", "num_speculative_tokens": 3}'
+    benchmark_latency.main([*TINY, "--batch-size", "2", "--input-len", "8", "--output-len", "16", "--num-iters-warmup",
+                            "1", "--num-iters", "1", "--speculative-config", config, "--speculate-by-acceptance",
+                            "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["serial"]["overlapped_verifications"] == 0 and result["serial"]["calls"] == 5
+    overlapped = result["overlapped"]
+    assert overlapped["calls"] == 5 and overlapped["overlapped_calls"] == overlapped["overlapped_verifications"] == 4
+
+
 def test_latency_host_core_must_be_one_of_several_cores_it_may_run_on():
     with pytest.raises(SystemExit, match="--host-core 4096: this process may run on cores"):
         benchmark_latency.pin_host(4096)
