@@ -196,6 +196,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.num_iters_warmup < 1 or args.num_iters < 1:
         ap.error("--num-iters-warmup and --num-iters must be at least 1 (the first run compiles)")
+    if args.speculate_by_acceptance and not args.speculative_config:
+        ap.error("--speculate-by-acceptance needs --speculative-config")
     args.num_requests = args.num_requests or args.batch_size
     if args.num_requests < args.batch_size:
         ap.error(f"--num-requests {args.num_requests} is below --batch-size {args.batch_size}: the batch would not fill")
