@@ -206,8 +206,9 @@ class KVCacheManager:
         steps = 1
         while steps < num_decode_steps and need(steps + 1) <= self.num_free:
             steps += 1
-        self.grow(seqs, targets(steps))
-        return [min(target, end) for target, end in zip(targets(steps), ends)]
+        grown = targets(steps)
+        self.grow(seqs, grown)
+        return [min(target, end) for target, end in zip(grown, ends)]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every prefix-cache entry, the host tier's too; False, changing nothing, while any

@@ -71,7 +71,7 @@ class Speculator:
         # Seconds per decode step by padded rows, per verification call by padded tokens (the
         # programs' shapes), from calls dispatched onto an idle device during which jax did not compile.
         self.costs: dict[tuple[str, int], float] = {}
-        self._ahead: dict[Sequence, list[int]] | None = None  # `propose_ahead`'s, until its plan runs
+        self._ahead = None  # (rows, `propose_ahead`'s proposals) until its plan runs or `propose` reads it
         self.prior = 1.0  # a new sequence's acceptance rate (`rate`): 1 until anything was verified
         self._history = ngram.TokenHistory()  # the n-gram rows' tokens as arrays
         self._probing = False  # the last `propose` found rows to speculate but no match for any
@@ -94,9 +94,9 @@ class Speculator:
         """The drafts of the decoding rows worth a verification call, or {} for a plain decode call.
         Rows that verify nothing this call move their rate back toward 1, so a resting row probes
         again after a while."""
-        if self._ahead is not None:  # made for a plan ahead that could not run: its rows' rooms hold
-            chosen, self._ahead = self._ahead, None
-            return chosen
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == set(running):  # for a plan ahead that could not run: rooms hold
+            return ahead[1]
         c, found, rows, lookups = self.config, {}, [], {}
         for seq in running:
             if seq.num_tokens - seq.num_computed != 1 or not self._may_speculate(seq):
@@ -168,9 +168,10 @@ class Speculator:
     def propose_ahead(self, running: list[Sequence]) -> dict[Sequence, list[int]]:
         """`propose` for a call planned before the last one's tokens are known (the rows hold them
         as PENDING, as if every draft was accepted: their rooms are no larger than they will be);
-        kept for the next `propose` unless `planned_ahead` says its plan ran."""
-        self._ahead = self.propose(running)
-        return self._ahead
+        kept for the next `propose` of the same rows unless `planned_ahead` says its plan ran."""
+        chosen = self.propose(running)
+        self._ahead = (set(running), chosen)
+        return chosen
 
     def planned_ahead(self, running: list[Sequence]) -> None:
         """A call was planned ahead. Proposed for (`propose_ahead`): the proposal is used. Else it
