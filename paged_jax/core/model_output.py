@@ -37,3 +37,4 @@ class ModelOutput:
     steps: np.ndarray  # i32[]; model steps the call ran
     prompt_logprobs: PromptLogprobs | None = None  # prefill steps whose batch asked for them
     num_accepted: np.ndarray | None = None  # i32[n]; drafts each row accepted (calls that verify proposals)
+    num_drafts: np.ndarray | None = None  # i32[n]; drafts each row verified (the device may find fewer than reserved)

@@ -71,14 +71,20 @@ class Sequence:
     def finished(self) -> bool:
         return self.status >= Status.FINISHED_STOPPED
 
+    @property
+    def num_pending(self) -> int:
+        """PENDING tokens ending the list: sampled by calls whose output the host has not taken."""
+        n = 0
+        while n < len(self.token_ids) and self.token_ids[-1 - n] == PENDING:
+            n += 1
+        return n
+
     def drop_pending(self, taken: int, assumed: bool) -> None:
         """Remove the PENDING tokens an overlapped plan appended: their call's `taken` tokens follow.
         `assumed`: they counted as computed, all but the last: a decode row was taken to its
         reservation's end, and a verifying row as if every draft were accepted; where it stopped
         early (a stop token) or a draft was rejected, it computed fewer."""
-        known = len(self.token_ids)
-        while known and self.token_ids[known - 1] == PENDING:
-            known -= 1
+        known = len(self.token_ids) - self.num_pending
         if assumed:
             self.num_computed -= len(self.token_ids) - known - taken
         del self.token_ids[known:]

@@ -163,7 +163,9 @@ class EngineArgs:
             kv_cache_dtype=self.kv_cache_dtype, preemption_mode=self.preemption_mode, swap_space=self.swap_space,
             enable_host_prefix_cache=self.enable_host_prefix_cache, draft_bytes_per_block=draft_bytes)
         spec = self.speculative_config
-        return dataclasses.replace(config, num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+        lookup = (spec.prompt_lookup_min, spec.prompt_lookup_max) if spec and spec.method == "ngram" else None
+        return dataclasses.replace(config, num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                                   prompt_lookup=lookup)
 
     def _draft_bytes_per_block(self, target, draft, backend: str) -> int:
         """A draft model's K/V bytes per block, once it is checked against the target: the same

@@ -31,6 +31,10 @@ class EngineConfig:
     swap_space: float = 0.0  # GiB of host memory for swapped blocks and the host prefix cache
     enable_host_prefix_cache: bool = False  # evicted cached blocks are kept in host memory
     num_speculative_tokens: int = 0  # proposals a row verifies per call (speculative decoding), 0: off
+    # n-gram speculation: (prompt_lookup_min, prompt_lookup_max) of the device's lookup of drafts
+    # planned ahead, whose token pages (4 bytes a slot beside its K/V) are left out of
+    # bytes_per_block (worker/ngram_proposer.py); None otherwise
+    prompt_lookup: tuple[int, int] | None = None
 
     @property
     def uses_host_memory(self) -> bool:

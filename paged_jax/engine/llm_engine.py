@@ -187,7 +187,7 @@ class LLMEngine:
             else:
                 self._schedule(request)
         after, spec = None, self.speculator
-        if call is not None and spec is not None and spec.plans_ahead(len(self.scheduler.running)):
+        if call is not None and spec is not None and spec.plans_ahead(call.plan, self.scheduler.running):
             after = self.scheduler.schedule_next(call.plan, spec.propose_ahead)
         elif call is not None and (spec is None or spec.quiet):
             after = self.scheduler.schedule_next(call.plan)

@@ -44,27 +44,76 @@ def propose(tokens: np.ndarray, lengths: np.ndarray, rooms: np.ndarray, min_n: i
 class TokenHistory:
     """The speculating rows' tokens as int32 arrays, each extended by what its sequence gained since
     it was last read (the sequence's token list is the owner: a shorter list, or a changed last
-    token read, starts the array over)."""
+    token read, starts the array over). Tokens the host does not know yet (PENDING) are not read."""
 
     def __init__(self):
         self._arrays: dict[Sequence, tuple[np.ndarray, int]] = {}
 
-    def gather(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
-        """-> (tokens i32[R, max length], lengths i32[R]) of `seqs`, row r's in its first columns.
-        Sequences not asked for are forgotten (they finished or rest)."""
+    def gather(self, seqs: list[Sequence], tails: list[list[int]] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """-> (tokens i32[R, max length], lengths i32[R]) of `seqs`, row r's in its first columns,
+        followed by `tails[r]` if given (the tokens its PENDING ones are expected to be). Sequences
+        not asked for are forgotten (they finished or rest)."""
         arrays = {seq: self._read(seq) for seq in seqs}
         self._arrays = arrays
-        lengths = np.array([known for _, known in arrays.values()], np.int32)
+        tails = tails or [[]] * len(seqs)
+        lengths = np.array([known + len(tail) for (_, known), tail in zip(arrays.values(), tails)], np.int32)
         tokens = np.zeros((len(seqs), int(lengths.max(initial=1))), np.int32)
-        for row, (array, known) in enumerate(arrays.values()):
+        for row, ((array, known), tail) in enumerate(zip(arrays.values(), tails)):
             tokens[row, :known] = array[:known]
+            tokens[row, known:lengths[row]] = tail
         return tokens, lengths
 
     def _read(self, seq: Sequence) -> tuple[np.ndarray, int]:
         ids, (array, known) = seq.token_ids, self._arrays.get(seq, (np.zeros(0, np.int32), 0))
-        if len(ids) < known or (known and array[known - 1] != ids[known - 1]):
+        end = len(ids) - seq.num_pending
+        if end < known or (known and array[known - 1] != ids[known - 1]):
             known = 0
-        if array.size < len(ids):
-            array = np.concatenate([array[:known], np.zeros(2 * len(ids) - known, np.int32)])
-        array[known:len(ids)] = ids[known:]
-        return array, len(ids)
+        if array.size < end:
+            array = np.concatenate([array[:known], np.zeros(2 * end - known, np.int32)])
+        array[known:end] = ids[known:end]
+        return array, end
+
+
+class PromptLookup:
+    """The n-gram proposals of a call's rows, and what each proposing row is expected to hold next
+    (`predicted`): its drafts, then what a lookup after them proposes (the target's next token, if
+    it goes on as its context did). A call planned while the verification before it runs
+    (overlapped scheduling) looks up a row whose tokens are PENDING in that prediction: where every
+    draft is accepted and the next token is the predicted one, that is the lookup the row's true
+    tokens would get; the device looks the drafts up again in the true tokens
+    (worker/ngram_proposer.py), so a wrong prediction costs proposals, never tokens. A row whose
+    PENDING tokens were not predicted is not looked up (`unseen`)."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.history = TokenHistory()
+        self.predicted: dict[Sequence, list[int]] = {}
+        self.unseen: set[Sequence] = set()
+
+    def predicts(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `seq`'s next `num_tokens` tokens (those its pending call samples) are predicted."""
+        return len(self.predicted.get(seq, ())) == num_tokens
+
+    def look_up(self, rooms: dict[Sequence, int]) -> dict[Sequence, list[int]]:
+        """Each row's proposal (up to its room; [] where nothing matched or it is unseen), from its
+        known tokens then the predicted ones for its PENDING tokens."""
+        rows = [seq for seq in rooms if not seq.num_pending or self.predicts(seq, seq.num_pending)]
+        self.unseen = set(rooms) - set(rows)
+        tokens, lengths = self.history.gather(rows, [self.predicted[s] if s.num_pending else [] for s in rows])
+        starts, counts = propose(tokens, lengths, np.array([rooms[s] for s in rows], np.int32), self.min_n, self.max_n)
+        out, self.predicted = dict.fromkeys(rooms, []), {}
+        for row, seq in enumerate(rows):
+            out[seq] = tokens[row, starts[row]:starts[row] + counts[row]].tolist()
+        # The next token of each proposing row: a lookup of 1 after its drafts.
+        matched = [row for row in range(len(rows)) if counts[row]]
+        if matched:
+            grown = np.zeros((len(matched), tokens.shape[1] + int(counts.max())), np.int32)
+            for i, row in enumerate(matched):
+                grown[i, : lengths[row]] = tokens[row, : lengths[row]]
+                grown[i, lengths[row]: lengths[row] + counts[row]] = out[rows[row]]
+            ends = lengths[matched] + counts[matched]
+            after, found = propose(grown, ends, np.ones(len(matched), np.int32), self.min_n, self.max_n)
+            for i, row in enumerate(matched):
+                if found[i]:
+                    self.predicted[rows[row]] = out[rows[row]] + [int(grown[i, after[i]])]
+        return out

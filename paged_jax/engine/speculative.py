@@ -9,7 +9,9 @@ keeps the accepted prefix); a rejected tail is rolled back by the scheduler's bo
 the device in the verifying call itself (worker/draft_proposer.py: k draft steps, then the target's
 forward): the plan reserves their slots with a stand-in token, RESERVED_DRAFT, so with async
 scheduling its verifications are planned while the call before runs (`propose_ahead`), as if that
-call accepted every draft (AsyncScheduler.schedule_next).
+call accepted every draft (AsyncScheduler.schedule_next). n-gram verifications are planned ahead
+too, their rows' next tokens predicted (ngram.PromptLookup) and their stand-ins looked up by the
+device in the true tokens (worker/ngram_proposer.py).
 
 Speculation turns itself down where it does not pay (vLLM's does not): each sequence keeps a
 running acceptance rate, starting from the engine's own so far; one whose proposals keep failing
@@ -73,7 +75,7 @@ class Speculator:
         self.costs: dict[tuple[str, int], float] = {}
         self._ahead = None  # (rows, `propose_ahead`'s proposals) until its plan runs or `propose` reads it
         self.prior = 1.0  # a new sequence's acceptance rate (`rate`): 1 until anything was verified
-        self._history = ngram.TokenHistory()  # the n-gram rows' tokens as arrays
+        self.lookup = ngram.PromptLookup(config.prompt_lookup_min, config.prompt_lookup_max)
         self._probing = False  # the last `propose` found rows to speculate but no match for any
         # Overlapped scheduling: proposing needs the last call's tokens, so a call is planned before
         # they are known only while speculation has nothing to verify: after each `propose` that
@@ -94,9 +96,11 @@ class Speculator:
         """The drafts of the decoding rows worth a verification call, or {} for a plain decode call.
         Rows that verify nothing this call move their rate back toward 1, so a resting row probes
         again after a while."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0] == set(running):  # for a plan ahead that could not run: rooms hold
-            return ahead[1]
+        before, self._ahead = self._ahead, None
+        # A draft model's proposal for a plan ahead that could not run holds for the same rows (its
+        # rooms only grow); an n-gram one may have stand-ins, which only a call planned ahead fills.
+        if before is not None and before[0] == set(running) and self.config.method == "draft_model":
+            return before[1]
         c, found, rows, lookups = self.config, {}, [], {}
         for seq in running:
             if seq.num_tokens - seq.num_computed != 1 or not self._may_speculate(seq):
@@ -105,7 +109,7 @@ class Speculator:
             params = seq.request.params
             room = min(c.num_speculative_tokens, self.max_model_len - seq.num_tokens - 1,
                        (params.max_tokens if params.max_tokens is not None else 1 << 30) - seq.num_output - 1)
-            if self.rate(seq) * c.num_speculative_tokens < MIN_EXPECTED_PER_ROW or room < 1:
+            if not self._wants_to_propose(seq) or room < 1:
                 continue
             if c.method == "draft_model":  # the draft model fills them in on the device, in the call
                 found[seq] = [RESERVED_DRAFT] * room
@@ -123,18 +127,17 @@ class Speculator:
 
     def _look_up(self, rooms: dict[Sequence, int], found: dict[Sequence, list[int]]) -> dict[Sequence, list[int]]:
         """Prompt lookup for every row in `rooms` (up to its room of drafts) at once: the rows that
-        matched go into `found` -> the rows that did not, each with its room of stand-in drafts."""
+        matched go into `found` (as stand-ins where their tokens are PENDING: a call planned ahead,
+        whose device looks them up in the true tokens) -> the rows that did not, each with its room
+        of stand-in drafts."""
         if not rooms:
             return {}
-        c, unmatched = self.config, {}
-        tokens, lengths = self._history.gather(list(rooms))
-        starts, counts = ngram.propose(tokens, lengths, np.fromiter(rooms.values(), np.int32, len(rooms)),
-                                       c.prompt_lookup_min, c.prompt_lookup_max)
-        for row, (seq, room) in enumerate(rooms.items()):
-            if counts[row]:
-                found[seq] = tokens[row, starts[row]:starts[row] + counts[row]].tolist()
+        unmatched = {}
+        for seq, drafts in self.lookup.look_up(rooms).items():
+            if drafts:
+                found[seq] = [RESERVED_DRAFT] * len(drafts) if seq.num_pending else drafts
             else:
-                unmatched[seq] = [RESERVED_DRAFT] * room
+                unmatched[seq] = [RESERVED_DRAFT] * rooms[seq]
         return unmatched
 
     def rate(self, seq: Sequence) -> float:
@@ -156,19 +159,28 @@ class Speculator:
         repeat is verified at most that many calls late."""
         return self._quiet_calls > 0
 
-    def plans_ahead(self, num_rows: int) -> bool:
-        """Whether the next call's proposals can be made before the last call's tokens are known,
-        though it may verify (`propose_ahead`): a draft model's, which the device makes in the call,
-        once a decode step and a verification of `num_rows` rows were timed (a call planned ahead
-        is not: the device was busy when it was dispatched). An n-gram proposal needs the tokens."""
-        k = self.config.num_speculative_tokens
-        return self.config.method == "draft_model" and (not self.timed or (
-            self.step_key(num_rows) in self.costs and self.verify_key(num_rows * (1 + k)) in self.costs))
+    def plans_ahead(self, prev, running: list[Sequence]) -> bool:
+        """Whether the call after `prev` (dispatched, its tokens unknown) can be planned now though
+        it may verify (`propose_ahead`), once a decode step and a verification of the running rows
+        were timed (a call planned ahead is not: the device was busy when it was dispatched). A
+        draft model's proposals are made on the device. n-gram: after a verification, unless a row
+        that may propose was not looked up for it either (ngram.PromptLookup.unseen: its tokens
+        were PENDING and not predicted): no row goes two calls without a lookup."""
+        k, num_rows = self.config.num_speculative_tokens, len(running)
+        if self.config.method == "ngram" and not (prev.drafts and not any(
+                seq in self.lookup.unseen and self._wants_to_propose(seq) for seq in running)):
+            return False
+        return not self.timed or (
+            self.step_key(num_rows) in self.costs and self.verify_key(num_rows * (1 + k)) in self.costs)
+
+    def _wants_to_propose(self, seq: Sequence) -> bool:
+        return self._may_speculate(seq) and self.rate(seq) * self.config.num_speculative_tokens >= MIN_EXPECTED_PER_ROW
 
     def propose_ahead(self, running: list[Sequence]) -> dict[Sequence, list[int]]:
         """`propose` for a call planned before the last one's tokens are known (the rows hold them
         as PENDING, as if every draft was accepted: their rooms are no larger than they will be);
-        kept for the next `propose` of the same rows unless `planned_ahead` says its plan ran."""
+        a draft model's is kept for the next `propose` of the same rows unless `planned_ahead`
+        says its plan ran."""
         chosen = self.propose(running)
         self._ahead = (set(running), chosen)
         return chosen
@@ -262,9 +274,9 @@ class Speculator:
         """A call's verifications: the rows that took its output (`progressed`: (seq, row, new
         tokens); a row finished while the call ran verified nothing) and had proposals."""
         for seq, row, _ in progressed:
-            drafts = plan.drafts.get(seq)
-            if drafts:
-                self.record(seq, len(drafts), int(output.num_accepted[row]))
+            num_drafts = int(output.num_drafts[row]) if seq in plan.drafts else 0  # the device may find fewer
+            if num_drafts:
+                self.record(seq, num_drafts, int(output.num_accepted[row]))
 
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """One verification of `num_drafts` proposals of `seq`, the first `num_accepted` accepted."""

@@ -22,7 +22,7 @@ from paged_jax.core.plan import Plan
 from paged_jax.core.sequence import Request, Sequence
 from paged_jax.engine import config as config_lib
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.worker import batching, runner, sharding, swap
+from paged_jax.worker import batching, penalty_state, runner, sharding, swap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,7 +238,7 @@ def pool_programs(engine) -> list[Program]:
     return [
         Program("copy_blocks_step F=8", runner.copy_blocks_step,
                 (state, _replicated(engine, i32(8)), _replicated(engine, i32(8))), dict(backend=c.attention_backend)),
-        Program("reset_penalty_rows", runner.reset_penalty_rows,
+        Program("reset_penalty_rows", penalty_state.reset_rows,
                 (_state(engine, penalties=True), _replicated(engine, i32(8)),
                  _replicated(engine, i32((8, c.max_model_len))), _replicated(engine, i32((8, c.max_model_len)))), {}),
         Program("swap out (gather 8 blocks)", swap.gather_blocks, (state.cache, _replicated(engine, i32(8))), {}),

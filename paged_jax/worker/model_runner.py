@@ -13,7 +13,7 @@ from paged_jax.attention import cache_layout
 from paged_jax.core.model_output import ModelOutput
 from paged_jax.core.plan import Plan
 from paged_jax.sampling_params import SAMPLING_EPS
-from paged_jax.worker import batching, programs, runner, sampler, sharding
+from paged_jax.worker import batching, ngram_proposer, penalty_state, programs, runner, sampler, sharding
 from paged_jax.worker.host_transfers import CopyOut, HostTransfers
 
 
@@ -67,9 +67,11 @@ class ModelRunner:
                                         prompt_mask=self._place(empty.astype(bool)),
                                         last_sampled=self._place(np.zeros(c.max_num_seqs, np.int32)),
                                         num_rejected=self._place(np.zeros(c.max_num_seqs, np.int32)),
-                                        draft_cache=None if draft_model is None else self._init_cache(draft_model))
+                                        draft_cache=None if draft_model is None else self._init_cache(draft_model),
+                                        token_pages=None if c.prompt_lookup is None else ngram_proposer.TokenPages(
+                                            self._place(np.zeros((c.num_blocks, c.block_size), np.int32))))
         # Swapping and the host prefix cache: swap_space GiB of host blocks, each as large as a device
-        # block (both models' K/V with a draft).
+        # block (both models' K/V with a draft, and the tokens with n-gram speculation).
         self.host = HostTransfers(self.state.caches, c.swap_space, c.uses_host_memory)
         self.num_host_blocks = self.host.num_blocks
         # (seqs, num_rows) -> i32[num_rows, words] of the rows' allowed next tokens, or None: the
@@ -208,7 +210,8 @@ class ModelRunner:
                             random=any(p.temperature >= SAMPLING_EPS for p in params),
                             filters=any(p.uses_filters for p in params),
                             penalties=any(p.uses_penalties for p in params),
-                            num_logprobs=0 if logprobs == 0 else 1 << (logprobs - 1).bit_length())
+                            num_logprobs=0 if logprobs == 0 else 1 << (logprobs - 1).bit_length(),
+                            ngram=self.config.prompt_lookup)
 
     def _prefill_flags(self, seqs, plan: Plan, batch: batching.PrefillBatch) -> runner.Flags:
         """One prefill program per shape serves greedy and sampled batches (greedy rows still take
@@ -240,7 +243,7 @@ class ModelRunner:
             slots[i] = seq.slot
             prompt[i, : seq.num_prompt_tokens] = seq.token_ids[: seq.num_prompt_tokens]
             output[i, : seq.num_output] = seq.output_ids
-        self.state = runner.reset_penalty_rows(self.state, slots, prompt, output)
+        self.state = penalty_state.reset_rows(self.state, slots, prompt, output)
 
 
 def activation_bytes(model, num_tokens: int, max_num_seqs: int, max_model_len: int, *, backend: str,

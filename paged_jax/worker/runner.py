@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from paged_jax.attention import AttentionMetadata, KVCache, copy_blocks
 from paged_jax.core.model_output import ModelOutput, PromptLogprobs
-from paged_jax.worker import draft_proposer, rejection_sampler, sampler, swap
+from paged_jax.worker import draft_proposer, ngram_proposer, penalty_state, rejection_sampler, sampler, swap
 from paged_jax.worker.batching import DecodeBatch, PrefillBatch
 
 
@@ -48,14 +48,21 @@ class DeviceState:
     # Speculative decoding with a draft model: its pages, under the target's block ids (the same
     # tables and slots), written by every forward the target runs; None without one.
     draft_cache: KVCache | None = None
+    # n-gram speculation: the token of each KV slot, where a verification planned ahead looks its
+    # drafts up (worker/ngram_proposer.py); None otherwise.
+    token_pages: ngram_proposer.TokenPages | None = None
 
     @property
-    def caches(self) -> tuple[KVCache, ...]:
-        """The target's cache, then the draft's if any: what a swap or a block copy moves."""
-        return (self.cache,) if self.draft_cache is None else (self.cache, self.draft_cache)
+    def caches(self) -> tuple:
+        """The target's cache, then the draft's and the token pages if any: a block's contents, what
+        a swap or a block copy moves."""
+        return tuple(c for c in (self.cache, self.draft_cache, self.token_pages) if c is not None)
 
     def with_caches(self, caches) -> DeviceState:
-        return dataclasses.replace(self, cache=caches[0], draft_cache=caches[1] if len(caches) > 1 else None)
+        given = iter(caches)
+        return dataclasses.replace(self, cache=next(given),
+                                   draft_cache=None if self.draft_cache is None else next(given),
+                                   token_pages=None if self.token_pages is None else next(given))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,18 +77,7 @@ class Flags:
     forks: bool = False  # some row forks from another this step
     num_prompt_logprobs: int | None = None  # top-N per prompt token when some row asks (prefill)
     mesh: Mesh | None = None  # tensor parallelism: attention runs per shard
-
-
-def _penalty_rows(state: DeviceState, slots, flags: Flags):
-    if not flags.penalties:
-        return None
-    safe = jnp.maximum(slots, 0)
-    return state.output_counts[safe], state.prompt_mask[safe]
-
-
-def _count_tokens(counts, tokens):  # i32[B, V], i32[B, J] (-1: none) -> i32[B, V]
-    rows = jnp.arange(tokens.shape[0])[:, None]
-    return counts.at[rows, jnp.where(tokens >= 0, tokens, counts.shape[1])].add(1, mode="drop")
+    ngram: tuple[int, int] | None = None  # (prompt_lookup_min, prompt_lookup_max) of n-gram speculation
 
 
 def _last_tokens(tokens):
@@ -119,11 +115,6 @@ def _move_back(state: DeviceState, batch: PrefillBatch) -> PrefillBatch:
                                total_len=batch.total_len - back)
 
 
-def _put_counts(state: DeviceState, slots, counts) -> DeviceState:
-    target = jnp.where(slots >= 0, slots, state.output_counts.shape[0])
-    return dataclasses.replace(state, output_counts=state.output_counts.at[target].set(counts, mode="drop"))
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "flags", "draft_graphdef"), donate_argnames=("state",))
 def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: sampler.SlotParams,
                  swapped=None, draft_params=None, *, flags: Flags, draft_graphdef=None):
@@ -141,10 +132,13 @@ def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: 
     verifying = batch.drafts.shape[1] > 0  # static: some row's proposals are scored (speculative decoding)
     if verifying:
         batch = _move_back(state, batch)
-    caches = state.caches
     if swapped is not None:
-        caches = tuple(swap.scatter_blocks(c, batch.swap_blocks, s) for c, s in zip(caches, swapped))
-    cache, draft_cache = caches[0], caches[-1]
+        state = state.with_caches(tuple(swap.scatter_blocks(c, batch.swap_blocks, s)
+                                        for c, s in zip(state.caches, swapped)))
+    if state.token_pages is not None:  # the tokens this call writes, and n-gram drafts planned ahead
+        batch, pages = ngram_proposer.read_batch(state.token_pages, batch, flags.ngram if verifying else None)
+        state = dataclasses.replace(state, token_pages=pages)
+    cache, draft_cache = state.cache, state.draft_cache
     md = AttentionMetadata(slot_mapping=batch.slot_mapping, block_tables=batch.block_tables,
                            seq_lens=batch.attn_seq_lens, query_start_loc=batch.query_start_loc)
     model = nnx.merge(graphdef, params)
@@ -169,12 +163,12 @@ def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: 
         logits, prompt_logits = logits[:num_wanted], logits[num_wanted:]
         prompt = PromptLogprobs(batch.prompt_lp_rows, batch.prompt_lp_positions, *sampler.token_logprobs(
             prompt_logits, batch.prompt_lp_targets, flags.num_prompt_logprobs))
-    caches = (cache,) if draft_graphdef is None else (cache, draft_cache)
+    state = dataclasses.replace(state, cache=cache, draft_cache=draft_cache)
     if flags.forks:  # copy-on-write of the forks' partial tail blocks, once the parents' K/V is in
-        caches = tuple(copy_blocks(c, batch.copy_src, batch.copy_dst, backend=flags.backend) for c in caches)
+        state = _copy_blocks(state, batch.copy_src, batch.copy_dst, flags.backend)
 
     live = batch.logits_rows >= 0
-    penalties = _penalty_rows(state, batch.slots, flags)
+    penalties = penalty_state.rows(state, batch.slots, flags)
     accepted = None
     if verifying:
         tokens, logprob, rank, top_ids, top_lps, finish, accepted = rejection_sampler.verify(
@@ -187,16 +181,16 @@ def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: 
             random=flags.random))
         finish = sampler.stop_check(tokens[:, 0], sp, batch.num_output, batch.total_len)
     tokens = jnp.where(live[:, None], tokens, -1)
-    new = _keep_last_sampled(state.with_caches(caches), batch.slots, tokens)
+    new = _keep_last_sampled(state, batch.slots, tokens)
     if verifying:
-        rejected = jnp.sum(batch.drafts >= 0, axis=1) - accepted
+        rejected = jnp.sum(batch.spec_rows[:, 1:] >= 0, axis=1) - accepted  # of the reserved slots
         target = jnp.where(live, batch.slots, new.num_rejected.shape[0])
         new = dataclasses.replace(new, num_rejected=new.num_rejected.at[target].set(rejected, mode="drop"))
     if penalties is not None:
-        new = _put_counts(new, batch.slots, _count_tokens(penalties[0], tokens))
+        new = penalty_state.put_counts(new, batch.slots, penalty_state.count_tokens(penalties[0], tokens))
     out = ModelOutput(tokens=tokens, logprob=logprob, rank=rank, top_ids=top_ids, top_logprobs=top_lps,
                       finish=jnp.where(live, finish, 0), steps=jnp.int32(1), prompt_logprobs=prompt,
-                      num_accepted=accepted)
+                      num_accepted=accepted, num_drafts=jnp.sum(batch.drafts >= 0, axis=1) if verifying else None)
     return new, out
 
 
@@ -219,13 +213,14 @@ def decode_steps(graphdef, params, state: DeviceState, batch: DecodeBatch, sp: s
                top_ids=jnp.zeros((num_rows, num_steps, n), jnp.int32),
                top_logprobs=jnp.zeros((num_rows, num_steps, n), jnp.float32),
                finish=jnp.zeros((num_rows,), jnp.int32))
-    penalties = _penalty_rows(state, batch.slots, flags)
+    penalties = penalty_state.rows(state, batch.slots, flags)
     counts = penalties[0] if penalties is not None else None
     active = batch.live
     rows = jnp.arange(num_rows)
     # The step count a strong i32 (not jnp.array(0)'s weak type): the warm-up compiles continue_decode for it.
     last = _fill_pending(state, batch.last_tokens, batch.slots, active)
-    carry = (state.caches, counts, out, last, active, batch.num_output, batch.total_len, jnp.int32(0))
+    carry = ((state.cache, state.draft_cache), counts, out, last, active, batch.num_output, batch.total_len,
+             jnp.int32(0))
 
     def cond(carry):
         *_, out, _, active, _, _, step = carry
@@ -242,7 +237,7 @@ def decode_steps(graphdef, params, state: DeviceState, batch: DecodeBatch, sp: s
                                block_tables=batch.block_tables, seq_lens=jnp.where(active, positions + 1, 0),
                                query_start_loc=jnp.arange(num_rows + 1, dtype=jnp.int32), decode_only=True)
         logits, cache = model(last, positions, caches[0], md, rows, backend=flags.backend, mesh=flags.mesh)
-        caches = (cache,) if draft_model is None else (cache, draft_model(
+        caches = (cache, caches[1] if draft_model is None else draft_model(
             last, positions, caches[1], md, rows[:1], backend=flags.backend, mesh=flags.mesh)[1])
         pens = None if counts is None else (counts, penalties[1])
         tokens, logprob, rank, top_ids, top_lps = sampler.sample(
@@ -255,14 +250,18 @@ def decode_steps(graphdef, params, state: DeviceState, batch: DecodeBatch, sp: s
                  top_logprobs=out["top_logprobs"].at[:, step].set(top_lps),
                  finish=jnp.where(finish > 0, finish, out["finish"]))
         if counts is not None:
-            counts = _count_tokens(counts, jnp.where(active, tokens, -1)[:, None])
+            counts = penalty_state.count_tokens(counts, jnp.where(active, tokens, -1)[:, None])
         return (caches, counts, o, jnp.where(active, tokens, last), active & (finish == 0),
                 num_output + active, total_len + active, step + 1)
 
     caches, counts, out, *_, steps = jax.lax.while_loop(cond, body, carry)
-    new = _keep_last_sampled(state.with_caches(caches), batch.slots, out["tokens"])
+    new = _keep_last_sampled(dataclasses.replace(state, cache=caches[0], draft_cache=caches[1]), batch.slots,
+                             out["tokens"])
+    if state.token_pages is not None:
+        new = dataclasses.replace(new, token_pages=ngram_proposer.write_steps(
+            state.token_pages, batch.block_tables, batch.positions, last, out["tokens"]))
     if counts is not None:
-        new = _put_counts(new, batch.slots, counts)
+        new = penalty_state.put_counts(new, batch.slots, counts)
     return new, ModelOutput(**out, steps=steps)
 
 
@@ -284,17 +283,10 @@ def continue_decode(prev: DecodeBatch, out: ModelOutput, slots, block_tables, nu
 @functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("state",))
 def copy_blocks_step(state: DeviceState, src, dst, *, backend: str) -> DeviceState:
     """Copy-on-write between steps (beam search's forks): block src[i] -> dst[i] (i32[F], -1 pad)."""
-    return state.with_caches(tuple(copy_blocks(c, src, dst, backend=backend) for c in state.caches))
+    return _copy_blocks(state, src, dst, backend)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def reset_penalty_rows(state: DeviceState, slots, prompt_tokens, output_tokens):
-    """Rebuild the penalty rows of newly admitted slots (i32[m]; -1 skip) from their prompt and
-    output tokens so far (i32[m, L], -1 pad)."""
-    num_slots, vocab = state.output_counts.shape
-    rows = jnp.where(slots >= 0, slots, num_slots)[:, None]
-    counts = state.output_counts.at[rows[:, 0]].set(0, mode="drop")
-    counts = counts.at[rows, jnp.where(output_tokens >= 0, output_tokens, vocab)].add(1, mode="drop")
-    mask = state.prompt_mask.at[rows[:, 0]].set(False, mode="drop")
-    mask = mask.at[rows, jnp.where(prompt_tokens >= 0, prompt_tokens, vocab)].set(True, mode="drop")
-    return dataclasses.replace(state, output_counts=counts, prompt_mask=mask)
+def _copy_blocks(state: DeviceState, src, dst, backend: str) -> DeviceState:
+    """Blocks src[i] -> dst[i] (i32[F], -1 pad) in every cache: K/V and the tokens beside them."""
+    return state.with_caches(tuple(c.copy(src, dst) if isinstance(c, ngram_proposer.TokenPages)
+                                   else copy_blocks(c, src, dst, backend=backend) for c in state.caches))

@@ -16,7 +16,7 @@ from paged_jax.core.plan import Plan
 from paged_jax.core.sequence import PENDING, Request, Sequence
 from paged_jax.engine import ngram, speculative
 from paged_jax.engine.arg_utils import EngineArgs
-from paged_jax.worker import batching, rejection_sampler
+from paged_jax.worker import batching, ngram_proposer, rejection_sampler
 from tests.models.model_testing import random_model, tiny_config
 from tests.paged_jax.engine_testing import assert_pool_drained
 from tests.paged_jax.test_engine_api import greedy_reference, word_tokenizer
@@ -102,6 +102,45 @@ def test_token_history_follows_each_sequences_tokens():
     del seqs[0].token_ids[2:]  # shorter (a stop string's truncation)
     seqs[0].token_ids.append(7)
     assert history.gather(seqs[:1])[0].tolist() == [[1, 2, 7]]
+
+
+def test_the_devices_ngram_lookup_equals_the_hosts():
+    """worker/ngram_proposer.lookup (jnp, jitted) finds each row's proposal as engine/ngram.propose
+    does, over rows of unequal lengths in one array."""
+    rng = np.random.default_rng(1)
+    rows = [rng.integers(0, vocab, length).tolist() for vocab, length in [(3, 2), (2, 9), (4, 40), (50, 30), (3, 64)] * 4]
+    rows += [row + row[: len(row) // 2] for row in rows[:5]]
+    lengths = np.array([len(r) for r in rows], np.int32)
+    tokens = np.full((len(rows), 128), 7, np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)] = r
+    rooms = rng.integers(1, 8, len(rows)).astype(np.int32)
+    device = jax.jit(ngram_proposer.lookup, static_argnums=(3, 4))
+    for min_n, max_n in [(1, 1), (1, 3), (2, 4), (3, 5)]:
+        want_starts, want_counts = ngram.propose(tokens, lengths, rooms, min_n, max_n)
+        starts, counts = device(tokens, lengths, rooms, min_n, max_n)
+        np.testing.assert_array_equal(counts, want_counts)
+        np.testing.assert_array_equal(np.where(counts > 0, starts, 0), np.where(want_counts > 0, want_starts, 0))
+        assert 0 < np.count_nonzero(counts) < len(rows)
+
+
+def test_a_prompt_lookup_predicts_the_tokens_after_its_drafts():
+    """ngram.PromptLookup: a row's drafts and the token a lookup after them proposes are what it is
+    expected to hold next; a row whose tokens are PENDING is looked up in that prediction (where a
+    verification accepts every draft and samples the predicted token, the lookup its true tokens
+    get), and a row whose PENDING tokens were not predicted proposes nothing (unseen)."""
+    lookup = ngram.PromptLookup(1, 3)
+    seq = _sequence([1, 2, 3, 4, 5, 1, 2])  # [1, 2] occurred at 0: 3 4, then 5
+    assert lookup.look_up({seq: 2}) == {seq: [3, 4]} and lookup.predicted == {seq: [3, 4, 5]}
+    seq.token_ids += [PENDING] * 3
+    assert lookup.predicts(seq, 3) and not lookup.predicts(seq, 2)
+    # As if 1 2 3 4 5 1 2 3 4 5: [3, 4, 5] occurred at 2, followed by 1 2 (which reach the end), then 3.
+    assert lookup.look_up({seq: 2}) == {seq: [1, 2]} and lookup.predicted == {seq: [1, 2, 3]}
+    assert lookup.unseen == set()
+    unknown = _sequence([7, 8, 7, 8, PENDING])
+    seq.token_ids.append(PENDING)  # 4 PENDING tokens, 3 predicted
+    assert lookup.look_up({unknown: 2, seq: 1}) == {unknown: [], seq: []} and lookup.predicted == {}
+    assert lookup.unseen == {unknown, seq}
 
 
 @pytest.mark.parametrize("config, message", [
@@ -602,6 +641,53 @@ def test_draft_model_greedy_outputs_equal_the_plain_engines(model, untimed_specu
             assert s["num_blocks_swapped_in"] > 0 and s["host_prefix_cache_blocks_in"] > 0, s
             assert s["spec_decode_num_drafts"] > 10 and s["spec_decode_acceptance_rate"] == 1.0
     assert outputs["noisy"] == outputs["random"] == outputs["self"] == outputs["plain"]
+
+
+def test_ngram_verifications_planned_ahead_look_their_drafts_up_on_the_device(model, untimed_speculation):
+    """n-gram speculation with async scheduling: most verifications are planned while the one
+    before runs, their drafts reserved from the host's prediction and looked up by the device in
+    the tokens it keeps beside each KV slot (worker/ngram_proposer.py). Every running row's blocks
+    hold its tokens after each call (prompt chunks, decode steps, drafts, prefix hits, swapped-in
+    and forked rows), and the greedy tokens equal the plain engine's, through recompute and swap
+    preemption and the host prefix tier; each pool drains."""
+    loop = [5, 17, 99, 3, 42, 8]
+    rng = np.random.default_rng(11)
+    prompts = [[*loop, *loop, *rng.integers(1, 128, int(n)).tolist(), *loop[:3]] for n in rng.integers(0, 12, 8)]
+    params = [SamplingParams(temperature=0.0, max_tokens=int(m), ignore_eos=True, n=1 + (i == 2))
+              for i, m in enumerate(rng.integers(12, 40, 8))]
+    runs = {"plain": (None, "recompute", True), "serial": (NGRAM, "swap", False), "ahead": (NGRAM, "recompute", True),
+            "ahead, swapped": (NGRAM, "swap", True)}
+    outputs = {}
+    for name, (config, mode, overlap) in runs.items():
+        llm = LLM(model, block_size=4, num_blocks=44, max_num_seqs=6, num_decode_steps=4, log_stats=False,
+                  speculative_config=config, preemption_mode=mode, swap_space=0.001, async_scheduling=overlap,
+                  enable_host_prefix_cache=mode == "swap")
+        engine, checked = llm.engine, [0]
+        if name == "serial":  # no call in flight after a step: the device's tokens can be read
+            step = engine.step
+
+            def step_and_check():
+                out = step()
+                pages = np.asarray(engine.model_runner.state.token_pages.token_ids)
+                for seq in engine.scheduler.running:
+                    held = pages[engine.scheduler.kv_manager.blocks_of(seq.slot)].reshape(-1)
+                    assert held[:seq.num_computed].tolist() == seq.token_ids[:seq.num_computed]
+                    checked[0] += 1
+                return out
+
+            engine.step = step_and_check
+        outputs[name] = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
+        outputs[name] += [[c.token_ids for c in o.outputs] for o in llm.generate(prompts[:3], params[:3])]
+        s = llm.stats()
+        assert s["num_preemptions"] > 0 and s["prefix_cache_hits"] > 0, name
+        assert_pool_drained(llm)
+        if config is not None:
+            assert s["spec_decode_num_drafts"] > 10 and s["spec_decode_num_accepted_tokens"] > 10, (name, s)
+        if name == "serial":
+            assert checked[0] > 50 and s["num_blocks_swapped_in"] > 0 and s["host_prefix_cache_blocks_in"] > 0
+        if name.startswith("ahead"):
+            assert s["overlapped_verifications"] >= 8, (name, s["overlapped_verifications"])
+    assert outputs["serial"] == outputs["ahead"] == outputs["ahead, swapped"] == outputs["plain"]
 
 
 def test_draft_model_samples_reproducibly_and_forks_its_pages(model, untimed_speculation):

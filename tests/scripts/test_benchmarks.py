@@ -190,7 +190,7 @@ def test_gpu_spec_check_runs_on_a_small_config(tmp_path, capsys):
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps(preset("tiny", vocab_size=1024, max_position_embeddings=2048).to_hf_config()))
-    gpu_spec_check.main(["--config", str(config), "--max-tokens", "24"])
+    gpu_spec_check.main(["--config", str(config), "--max-tokens", "64"])
     out = capsys.readouterr().out
     assert out.count("same tokens True") == 4 and "batch 8 ngram" in out
     assert "timed step (rows 1)" in out
