@@ -130,8 +130,6 @@ class Speculator:
         matched go into `found` (as stand-ins where their tokens are PENDING: a call planned ahead,
         whose device looks them up in the true tokens) -> the rows that did not, each with its room
         of stand-in drafts."""
-        if not rooms:
-            return {}
         unmatched = {}
         for seq, drafts in self.lookup.look_up(rooms).items():
             if drafts:
