@@ -29,6 +29,16 @@ def _draft(model, k=3):
     return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
 
 
+@pytest.fixture(autouse=True)
+def _drop_compiled_programs():
+    """Each engine here compiles its own programs (a draft's, the n-gram token pages', each pool's
+    size), which jit keeps for the process; XLA maps memory regions for each CPU executable, and a
+    process running this whole file passed Linux's limit of 65530 maps, where a compile aborts.
+    Dropped after each test."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="module")
 def model():
     return random_model(tiny_config(max_position_embeddings=1024, eos_token_id=None))
