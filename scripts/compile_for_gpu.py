@@ -6,7 +6,9 @@ or weights + KV pool + the largest program's temp buffers exceed the GPU's memor
 
     pip install -e '.[gpu-compile]'
     python scripts/compile_for_gpu.py --gpu h100 --model tests/data/configs/llama-3.1-8b.json
-    python scripts/compile_for_gpu.py --gpu a100 --model DIR --kv-cache-dtype int8 --quick
+    python scripts/compile_for_gpu.py --gpu a100 --model DIR --kv-cache-dtype int8 --programs quick
+    python scripts/compile_for_gpu.py --gpu h100 --model tests/data/configs/qwen3-0.6b.json --speculative-config \
+        '{"method": "draft_model", "model": "tests/data/configs/qwen2.5-0.5b.json", "num_speculative_tokens": 4}'
 """
 import argparse
 import dataclasses
@@ -36,6 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"])
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
+    p.add_argument("--speculative-config", default=None,
+                   help='vLLM\'s JSON, a draft\'s "model" a config.json: the engine then verifies proposals too')
     p.add_argument("--programs", default="all", choices=gpu_programs.PROGRAM_SETS,
                    help="quick: the smallest and largest bucket of each; largest: the largest prefill and decode")
     p.add_argument("--no-cache", action="store_true", help="compile afresh (gpu_compile.CACHE_DIR unread)")
@@ -79,7 +83,7 @@ def main(argv=None):
             MODEL_REGISTRY[model_config.model_type].model_cls, model_config, devices, bytes_limit=limit,
             temp_bytes=temp_bytes, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
-            gpu_memory_utilization=args.gpu_memory_utilization)
+            gpu_memory_utilization=args.gpu_memory_utilization, speculative_config=args.speculative_config)
     except gpu_programs.DoesNotFit as e:
         sys.exit(f"does not fit: {e}")
     c = engine.config
@@ -109,7 +113,8 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump({"gpu": args.gpu, "config": dataclasses.asdict(c), "weight_bytes": engine.weight_bytes,
                        "kv_bytes": engine.kv_bytes, "bytes_limit": limit,
-                       "activation_bytes": probes[-1].temp_bytes, "programs": [dataclasses.asdict(s) for s in stats],
+                       "activation_bytes": max(p.temp_bytes for p in probes),
+                       "programs": [dataclasses.asdict(s) for s in stats],
                        "failed": failed, "does_not_fit": verdict}, f, indent=1)
     if failed:
         sys.exit(f"{len(failed)} program(s) failed to compile: {', '.join(failed)}")

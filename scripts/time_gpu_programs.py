@@ -28,6 +28,7 @@ def main():
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--programs", default="quick", choices=gpu_programs.PROGRAM_SETS)
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--speculative-config", default=None, help="as compile_for_gpu.py takes it")
     args = p.parse_args()
     device = jax.devices()[0]
     if device.platform != "gpu":
@@ -43,7 +44,7 @@ def main():
     engine = gpu_programs.build(MODEL_REGISTRY[model_config.model_type].model_cls, model_config, [device],
                                 bytes_limit=device.memory_stats()["bytes_limit"], temp_bytes=temp_bytes,
                                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                max_model_len=args.max_model_len)
+                                max_model_len=args.max_model_len, speculative_config=args.speculative_config)
     print(engine.config.describe())
     print(f"{'program':38} {'model ms':>9} {'measured ms':>11} {'ratio':>6}")
     failed = []

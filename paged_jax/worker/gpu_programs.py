@@ -1,44 +1,30 @@
 """The engine's programs for a GPU that is not here: the engine built as `LLM` builds it on that GPU,
-with abstract weights (shapes and shardings, nothing allocated) placed on compile-only devices
-(`pallas_kernels.gpu_target`), its KV pool sized from the GPU's memory the way
-`gpu_memory_utilization` sizes it, and every jitted entry point a warmed-up engine runs, each with
-abstract arguments built by the engine's own builders (`batching.prefill_batch` / `decode_batch` on
-a synthetic plan). The one place that knows how the runner's entry points are called: when their
-signatures change, the `*_program` functions below follow."""
+with abstract weights placed on compile-only devices (`abstract_engine`), its KV pool sized from
+the GPU's memory the way `gpu_memory_utilization` sizes it, and every jitted entry point a
+warmed-up engine runs, each with abstract arguments built by the engine's own builders
+(`batching.prefill_batch` / `decode_batch` on a synthetic plan). The one place that knows how the
+runner's entry points are called: when their signatures change, the `*_program` functions follow."""
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
+from models.checkpoint import MODEL_REGISTRY, read_config
 from paged_jax.attention import cache_layout, check_kv_cache_dtype
 from paged_jax.core.plan import Plan
 from paged_jax.core.sequence import Request, Sequence
 from paged_jax.engine import config as config_lib
+from paged_jax.engine.arg_utils import EngineArgs
+from paged_jax.engine.spec_config import SpeculativeConfig
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.worker import batching, penalty_state, runner, sharding, swap
-
-
-@dataclasses.dataclass(frozen=True)
-class AbstractEngine:
-    model: Any  # the model with ShapeDtypeStruct weights, placed on `placement`
-    config: config_lib.EngineConfig
-    placement: Mesh  # the compile-only devices, axis sharding.AXIS
-    weight_bytes: int  # per device
-
-    @property
-    def mesh(self) -> Mesh | None:  # what the engine's Flags carry: None without tensor parallelism
-        return self.placement if self.placement.size > 1 else None
-
-    @property
-    def kv_bytes(self) -> int:  # per device
-        return self.config.num_blocks * self.config.bytes_per_block // self.placement.size
+from paged_jax.worker import abstract_engine, batching, ngram_proposer, penalty_state, runner, sharding, swap
 
 
 class DoesNotFit(ValueError):
@@ -60,62 +46,47 @@ class Program:
     kv_tokens: int = 0  # cached tokens each forward's attention reads
 
 
-def _placed(tree, specs, mesh):
-    """ShapeDtypeStructs of `tree`'s leaves with NamedShardings from `specs` (a tree of
-    PartitionSpecs, or one spec for every leaf)."""
-    if isinstance(specs, P):
-        specs = jax.tree.map(lambda _: specs, tree)
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=NamedSharding(mesh, s)),
-                        tree, specs, is_leaf=lambda x: isinstance(x, P))
-
-
-def abstract_model(model_cls, model_config, mesh: Mesh):
-    """The model as `LLM` holds it on `mesh`: KV heads replicated up to the mesh size, weights split
-    by sharding.PARAM_SPECS (replicated on one device); shapes only."""
-    tp = mesh.size
-    model = nnx.eval_shape(lambda: sharding.replicate_kv_heads(model_cls(model_config, rngs=nnx.Rngs(0)), tp))
-    if tp > 1:
-        sharding.check_mesh(mesh, model_config)
-    graphdef, state = nnx.split(model)
-
-    def place(path, x):  # the pure dict's paths end in the parameter's name
-        spec = sharding.PARAM_SPECS[str(path[-1].key)] if tp > 1 else P()
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
-
-    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(place, nnx.to_pure_dict(state)))
-    return nnx.merge(graphdef, state)
-
-
-def weight_bytes_per_device(model) -> int:
-    leaves = jax.tree.leaves(nnx.state(model))
-    return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in leaves)
-
-
 def build(model_cls, model_config, devices, *, bytes_limit: int, temp_bytes: Callable[[Program], int],
           max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None, kv_cache_dtype: str = "auto",
-          block_size: int = 16, num_decode_steps: int = 8, gpu_memory_utilization: float | None = None):
+          block_size: int = 16, num_decode_steps: int = 8, gpu_memory_utilization: float | None = None,
+          speculative_config=None):
     """-> AbstractEngine for compile-only `devices` of one GPU kind whose jax allocator holds
     `bytes_limit` each (gpu_target.jax_bytes_limit), sized as `LLMEngine.__init__` sizes it: config_lib.resolve, with the activation peak read from the
     largest prefill step compiled for that GPU (`temp_bytes(program)`: its temp bytes; the KV pages
     are donated, so a 2-block pool gives the same figure, as model_runner.activation_bytes
     measures it). `max_model_len` None: the model's limit, cut to what the pool holds (resolve's rule
-    for a GPU; on this CPU host resolve would pick its CPU default instead)."""
+    for a GPU; on this CPU host resolve would pick its CPU default instead). `speculative_config`:
+    vLLM's dict (or JSON), a draft model's "model" an HF config.json, a directory holding one or
+    a model config."""
     mesh = Mesh(np.array(devices), (sharding.AXIS,))
-    model = abstract_model(model_cls, model_config, mesh)
+    model = abstract_engine.abstract_model(model_cls, model_config, mesh)
     backend = "pallas"  # attention_backend "auto" on a GPU
+    spec, draft, draft_bytes = SpeculativeConfig.parse(speculative_config), None, 0
     with jax.default_device(devices[0]):  # fp8 pages are refused by name below sm_89
         kv_dtype = check_kv_cache_dtype(kv_cache_dtype, backend, model.config.dtype)
-    weights = weight_bytes_per_device(model)
+        if spec is not None and spec.method == "draft_model":
+            draft_config = (spec.model if hasattr(spec.model, "model_type")
+                            else read_config(spec.model, dtype=model_config.dtype))
+            draft_cls = MODEL_REGISTRY[draft_config.model_type].model_cls
+            draft = abstract_engine.abstract_model(draft_cls, draft_config, mesh)
+            draft_bytes = EngineArgs(block_size=block_size, attention_backend=backend, kv_cache_dtype=kv_cache_dtype
+                                     ).draft_bytes_per_block(model.config, draft.config, backend)
+    weights = sum(abstract_engine.weight_bytes_per_device(m) for m in (model, draft) if m is not None)
     sizes = dict(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
                  max_num_batched_tokens=max_num_batched_tokens,
                  max_model_len=max_model_len or model.config.max_position_embeddings,
                  num_decode_steps=num_decode_steps, long_prefill_token_threshold=0, enable_prefix_caching=True,
                  attention_backend=backend, kv_dtype=kv_dtype, kv_shards=mesh.size,
-                 sliding_window=getattr(model.config, "kv_window", None), kv_cache_dtype=kv_cache_dtype)
-    probe = AbstractEngine(model, config_lib.resolve(model.config, num_blocks=2, **sizes), mesh, weights)
+                 sliding_window=getattr(model.config, "kv_window", None), kv_cache_dtype=kv_cache_dtype,
+                 draft_bytes_per_block=draft_bytes)
+    lookup = (spec.prompt_lookup_min, spec.prompt_lookup_max) if spec and spec.method == "ngram" else None
+    speculating = dict(num_speculative_tokens=spec.num_speculative_tokens if spec else 0, prompt_lookup=lookup)
+    probe = abstract_engine.AbstractEngine(model, dataclasses.replace(
+        config_lib.resolve(model.config, num_blocks=2, **sizes), **speculating), mesh, weights, draft)
 
-    def activation_bytes(num_tokens, max_num_seqs, max_model_len):
-        return temp_bytes(prefill_program(probe, num_tokens))
+    def activation_bytes(num_tokens, max_num_seqs, max_model_len):  # as model_runner.activation_bytes
+        verifies = [verify_program(probe, max_num_seqs)] if spec else []
+        return max(temp_bytes(program) for program in [prefill_program(probe, num_tokens)] + verifies)
 
     try:
         config = config_lib.resolve(model.config, num_blocks=None, activation_bytes=activation_bytes,
@@ -125,26 +96,38 @@ def build(model_cls, model_config, devices, *, bytes_limit: int, temp_bytes: Cal
         raise DoesNotFit(f"{largest.name} needs {temp_bytes(largest)} bytes of temps: {e}") from e
     if max_model_len is None and config.max_model_len > (config.num_blocks - 1) * block_size:
         config = dataclasses.replace(config, max_model_len=(config.num_blocks - 1) * block_size)
-    return AbstractEngine(model=model, config=config, placement=mesh, weight_bytes=weights)
+    config = dataclasses.replace(config, **speculating)  # as EngineArgs.create_engine_config sets them
+    return abstract_engine.AbstractEngine(model=model, config=config, placement=mesh, weight_bytes=weights,
+                                          draft_model=draft)
 
 
 # -- abstract arguments --------------------------------------------------------------------------
 
 def _replicated(engine, tree):
-    return _placed(tree, P(), engine.placement)
+    return abstract_engine.placed(tree, P(), engine.placement)
 
 
-def _state(engine, *, penalties=False) -> runner.DeviceState:
-    c, model = engine.config, engine.model
+def _cache(engine, model):
+    c = engine.config
     cache = jax.eval_shape(lambda: model.init_cache(c.num_blocks, c.block_size, layout=cache_layout(c.attention_backend),
                                                     kv_cache_dtype=c.kv_cache_dtype))
     specs = sharding.cache_specs(cache) if engine.mesh is not None else P()
-    vocab = model.config.vocab_size if penalties else 0
-    return runner.DeviceState(cache=_placed(cache, specs, engine.placement),
+    return abstract_engine.placed(cache, specs, engine.placement)
+
+
+def _state(engine, *, penalties=False) -> runner.DeviceState:
+    """As model_runner.ModelRunner holds it: a draft's pages and n-gram's token pages if any."""
+    c = engine.config
+    vocab = engine.model.config.vocab_size if penalties else 0
+    tokens = None if c.prompt_lookup is None else ngram_proposer.TokenPages(
+        _replicated(engine, np.zeros((c.num_blocks, c.block_size), np.int32)))
+    return runner.DeviceState(cache=_cache(engine, engine.model),
                               output_counts=_replicated(engine, np.zeros((c.max_num_seqs, vocab), np.int32)),
                               prompt_mask=_replicated(engine, np.zeros((c.max_num_seqs, vocab), bool)),
                               last_sampled=_replicated(engine, np.zeros(c.max_num_seqs, np.int32)),
-                              num_rejected=_replicated(engine, np.zeros(c.max_num_seqs, np.int32)))
+                              num_rejected=_replicated(engine, np.zeros(c.max_num_seqs, np.int32)),
+                              draft_cache=None if engine.draft_model is None else _cache(engine, engine.draft_model),
+                              token_pages=tokens)
 
 
 def _sequences(lengths, slot_offset=0) -> list[Sequence]:
@@ -168,8 +151,13 @@ def _set_tables(config, plan: Plan, mapped: list[int]) -> None:
     plan.num_mapped = np.array(mapped, np.int32)
 
 
-def _graphdef_params(engine):
-    return nnx.split(engine.model)
+def _models(engine, flags_kw: dict):
+    """-> (graphdef, params, draft params, the step's static arguments: its Flags and draft graphdef)."""
+    graphdef, params = nnx.split(engine.model)
+    draft_graphdef, draft_params = (None, None) if engine.draft_model is None else nnx.split(engine.draft_model)
+    c = engine.config
+    flags = runner.Flags(backend=c.attention_backend, mesh=engine.mesh, ngram=c.prompt_lookup, **flags_kw)
+    return graphdef, params, draft_params, dict(flags=flags, draft_graphdef=draft_graphdef)
 
 
 def prefill_program(engine, num_tokens: int, *, forks=False, swap_in=False) -> Program:
@@ -190,22 +178,45 @@ def prefill_program(engine, num_tokens: int, *, forks=False, swap_in=False) -> P
         plan.swap_in = [(seqs[-1].slot, [1], 0)]
     _set_tables(c, plan, [s.num_tokens for s in seqs] + [child.num_tokens for child, _ in plan.forks])
     batch = batching.prefill_batch(plan, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
-                                   max_blocks_per_seq=c.max_blocks_per_seq, token_cap=c.max_num_batched_tokens)
-    rows = batching.prefill_rows(plan)
-    sp = batching.row_params(rows, batch.slots.shape[0], (), c.max_model_len)
+                                   max_blocks_per_seq=c.max_blocks_per_seq, token_cap=c.max_num_batched_tokens,
+                                   num_speculative_tokens=c.num_speculative_tokens)
+    label = "+forks" if forks else "+swap-in" if swap_in else ""
+    return _prefill(engine, f"prefill{label}", plan, batch, dict(random=True, forks=forks), num_tokens)
+
+
+def _prefill(engine, label: str, plan: Plan, batch, flags_kw: dict, num_tokens: int) -> Program:
+    c = engine.config
+    sp = batching.row_params(batching.prefill_rows(plan), batch.slots.shape[0], (), c.max_model_len)
     state = _state(engine)
     swapped = None
-    if swap_in:
-        swapped = jax.eval_shape(swap.gather_blocks, state.cache, jax.ShapeDtypeStruct(batch.swap_blocks.shape, jnp.int32))
-        swapped = (_placed(swapped, sharding.cache_specs(swapped) if engine.mesh is not None else P(), engine.placement),)
-    graphdef, params = _graphdef_params(engine)
-    flags = runner.Flags(backend=c.attention_backend, mesh=engine.mesh, random=True, forks=forks)
-    label = "+forks" if forks else "+swap-in" if swap_in else ""
-    return Program(f"prefill{label} T={batch.tokens.shape[0]} B={num_rows} W={batch.block_tables.shape[1]}",
-                   runner.prefill_step, (graphdef, params, state, _replicated(engine, batch),
-                                         _replicated(engine, sp), swapped), dict(flags=flags),
+    if plan.swap_in:  # swap-in is not built with tensor parallelism: replicated
+        ids = jax.ShapeDtypeStruct(batch.swap_blocks.shape, jnp.int32)
+        swapped = tuple(_replicated(engine, jax.eval_shape(swap.gather_blocks, cache, ids)) for cache in state.caches)
+    graphdef, params, draft_params, static = _models(engine, flags_kw)
+    return Program(f"{label} T={batch.tokens.shape[0]} B={len(plan.scheduled)} W={batch.block_tables.shape[1]}",
+                   runner.prefill_step, (graphdef, params, state, _replicated(engine, batch), _replicated(engine, sp),
+                                         swapped, draft_params), static,
                    steps=1, tokens=num_tokens, kv_tokens=int(batch.attn_seq_lens.sum()),
-                   values=(None, None, None, batch, sp, None))
+                   values=(None, None, None, batch, sp, None, None))
+
+
+def verify_program(engine, num_rows: int) -> Program:
+    """A verification of `num_rows` decoding rows' k proposals each (speculative decoding), planned
+    while the call before it ran (Plan.optimistic: the device moves its rows back by what that call
+    rejected, and looks their n-gram drafts up or runs the draft model); one row's table is as wide
+    as max_model_len."""
+    c = engine.config
+    k = c.num_speculative_tokens
+    seqs = _sequences([1] * (num_rows - 1) + [c.max_model_len - k])
+    for seq in seqs:
+        seq.num_computed = seq.num_tokens - 1
+    plan = Plan(scheduled=[(s, 1 + k) for s in seqs], drafts={s: [0] * k for s in seqs}, optimistic=set(seqs))
+    _set_tables(c, plan, [s.num_tokens + k for s in seqs])
+    batch = batching.prefill_batch(plan, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
+                                   max_blocks_per_seq=c.max_blocks_per_seq, token_cap=c.max_num_batched_tokens,
+                                   num_speculative_tokens=k)
+    method = "ngram" if c.prompt_lookup else "draft"
+    return _prefill(engine, f"verify {method} k={k}", plan, batch, dict(random=True), num_rows * (1 + k))
 
 
 def decode_program(engine, num_rows: int, *, random=True, penalties=False) -> Program:
@@ -218,15 +229,14 @@ def decode_program(engine, num_rows: int, *, random=True, penalties=False) -> Pr
     batch = batching.decode_batch(plan, max_num_seqs=c.max_num_seqs, max_blocks_per_seq=c.max_blocks_per_seq)
     width = batch.block_tables.shape[1]
     sp = batching.row_params(seqs, batch.slots.shape[0], (), c.max_model_len)
-    graphdef, params = _graphdef_params(engine)
-    flags = runner.Flags(backend=c.attention_backend, mesh=engine.mesh, random=random, penalties=penalties)
+    graphdef, params, draft_params, static = _models(engine, dict(random=random, penalties=penalties))
     kind = "" if random else " greedy"
     kind += " +penalties" if penalties else ""
     return Program(f"decode{kind} K={c.num_decode_steps} B={num_rows} W={width}", runner.decode_steps,
                    (graphdef, params, _state(engine, penalties=penalties), _replicated(engine, batch),
-                    _replicated(engine, sp)), dict(flags=flags, num_steps=c.num_decode_steps),
+                    _replicated(engine, sp), draft_params), dict(static, num_steps=c.num_decode_steps),
                    steps=c.num_decode_steps, tokens=num_rows, kv_tokens=sum(lengths),
-                   values=(None, None, None, batch, sp))
+                   values=(None, None, None, batch, sp, None))
 
 
 def pool_programs(engine) -> list[Program]:
@@ -258,12 +268,16 @@ def engine_programs(engine, which: str = "all") -> list[Program]:
     c = engine.config
     tokens = [t for t in (1 << i for i in range(4, 31)) if t < c.max_num_batched_tokens] + [c.max_num_batched_tokens]
     rows = sorted({min(1 << i, c.max_num_seqs) for i in range(c.max_num_seqs.bit_length() + 1)})
+    verifies = [] if not c.num_speculative_tokens else [verify_program(engine, rows[-1])]
     if which == "largest":
-        return [prefill_program(engine, tokens[-1]), decode_program(engine, rows[-1])] + pool_programs(engine)
+        largest = [prefill_program(engine, tokens[-1]), decode_program(engine, rows[-1])]
+        return largest + verifies + pool_programs(engine)
     if which == "quick":
         tokens, rows = [tokens[0], tokens[-1]], [rows[0], rows[-1]]
     programs = [prefill_program(engine, t) for t in tokens]
     programs += [decode_program(engine, r) for r in rows]
+    if verifies:
+        programs += [verify_program(engine, r) for r in rows[:-1]] + verifies
     programs += [decode_program(engine, rows[-1], random=False), prefill_program(engine, tokens[0], forks=True)]
     if which == "all":
         programs += [decode_program(engine, rows[-1], penalties=True)]

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from paged_jax.attention import cache_layout
-from paged_jax.worker import batching, runner
+from paged_jax.worker import batching, ngram_proposer, runner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,13 +38,20 @@ def abstract_model(model_cls, config):
     return nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0)))
 
 
-def abstract_state(model, sizing: Sizing) -> runner.DeviceState:
+def abstract_state(model, sizing: Sizing, *, draft_model=None, token_pages: bool = False) -> runner.DeviceState:
+    """As the engine holds it; a speculating engine's also holds the draft's pages or the tokens'."""
     s = sizing
-    cache = jax.eval_shape(lambda: model.init_cache(s.num_blocks, s.block_size, layout=cache_layout(s.attention_backend),
-                                                    kv_cache_dtype=s.kv_cache_dtype))
-    return runner.DeviceState(cache=cache, output_counts=jax.ShapeDtypeStruct((s.max_num_seqs, 0), jnp.int32),
+
+    def cache(m):
+        return jax.eval_shape(lambda: m.init_cache(s.num_blocks, s.block_size, layout=cache_layout(s.attention_backend),
+                                                   kv_cache_dtype=s.kv_cache_dtype))
+
+    return runner.DeviceState(cache=cache(model), output_counts=jax.ShapeDtypeStruct((s.max_num_seqs, 0), jnp.int32),
                               prompt_mask=jax.ShapeDtypeStruct((s.max_num_seqs, 0), bool),
-                              last_sampled=_i32(s.max_num_seqs), num_rejected=_i32(s.max_num_seqs))
+                              last_sampled=_i32(s.max_num_seqs), num_rejected=_i32(s.max_num_seqs),
+                              draft_cache=None if draft_model is None else cache(draft_model),
+                              token_pages=ngram_proposer.TokenPages(_i32(s.num_blocks, s.block_size)) if token_pages
+                              else None)
 
 
 def _i32(*shape):
@@ -67,11 +74,14 @@ def decode_program(model, sizing: Sizing, *, num_rows: int, width: int, num_step
 
 
 def prefill_program(model, sizing: Sizing, *, num_tokens: int, num_rows: int, width: int,
-                    num_speculative_tokens: int = 0) -> jax.stages.Compiled:
+                    num_speculative_tokens: int = 0, draft_model=None,
+                    prompt_lookup: tuple[int, int] | None = None) -> jax.stages.Compiled:
     """`runner.prefill_step` for a ragged batch of `num_tokens` tokens over `num_rows` rows, tables
     `width` blocks wide (one program serves greedy and sampled rows); with `num_speculative_tokens`,
-    the variant that verifies that many proposals per row."""
+    the variant that verifies that many proposals per row. A speculating engine's step carries its
+    `draft_model`, or with n-gram (`prompt_lookup`) the token pages."""
     graphdef, params = nnx.split(model)
+    draft_graphdef, draft_params = nnx.split(draft_model) if draft_model is not None else (None, None)
     r, t, j = num_rows, num_tokens, num_speculative_tokens + 1 if num_speculative_tokens else 0
     batch = batching.PrefillBatch(
         slots=_i32(r), tokens=_i32(t), positions=_i32(t), token_row=_i32(t), slot_mapping=_i32(t),
@@ -81,5 +91,7 @@ def prefill_program(model, sizing: Sizing, *, num_tokens: int, num_rows: int, wi
         swap_blocks=_i32(0), spec_rows=_i32(r, j), drafts=_i32(r, max(j - 1, 0)),
         optimistic=jax.ShapeDtypeStruct((r if j else 0,), bool))
     sp = batching.row_params([], r, (), sizing.max_model_len)
-    flags = runner.Flags(sizing.attention_backend)
-    return runner.prefill_step.lower(graphdef, params, abstract_state(model, sizing), batch, sp, flags=flags).compile()
+    flags = runner.Flags(sizing.attention_backend, ngram=prompt_lookup)
+    state = abstract_state(model, sizing, draft_model=draft_model, token_pages=prompt_lookup is not None)
+    return runner.prefill_step.lower(graphdef, params, state, batch, sp, None, draft_params, flags=flags,
+                                     draft_graphdef=draft_graphdef).compile()

@@ -54,14 +54,16 @@ def program(figures, prefix):
     return next(p for p in figures["programs"] if p["name"].startswith(prefix))
 
 
-def check_sized_as_vllm(figures, gpu, model, *, tp=1, page_bytes=2, scale_bytes=0):
+def check_sized_as_vllm(figures, gpu, model, *, tp=1, page_bytes=2, scale_bytes=0, draft=None):
     """The pool holds what gpu_memory_utilization leaves of jax's limit after the weights and the
     largest prefill's temps, capped at what max_num_seqs sequences of the model's whole context
-    could use; and weights, pool and every program's temps fit."""
+    could use; and weights, pool and every program's temps fit. `draft`: a draft model whose K/V
+    each block holds too."""
     c, hf = figures["config"], json.load(open(os.path.join(CONFIGS, model + ".json")))
     limit = int(gpu_target.gpu_spec(gpu).memory_bytes * 0.75)  # XLA_PYTHON_CLIENT_MEM_FRACTION's default
     assert figures["bytes_limit"] == limit
-    assert c["bytes_per_block"] == kv_bytes_per_block(model, page_bytes=page_bytes, scale_bytes=scale_bytes)
+    assert c["bytes_per_block"] == kv_bytes_per_block(model, page_bytes=page_bytes, scale_bytes=scale_bytes) + (
+        kv_bytes_per_block(draft) if draft else 0)
     budget = int(UTILIZATION * limit - figures["weight_bytes"] - figures["activation_bytes"])
     useful = c["max_num_seqs"] * -(-hf["max_position_embeddings"] // c["block_size"]) + 1
     assert c["num_blocks"] == min(useful, budget * tp // c["bytes_per_block"])
@@ -93,6 +95,21 @@ def test_other_families_compile_and_fit(tmp_path, gpu, model):
     assert status == 0, err[-3000:]
     assert figures["weight_bytes"] == 2 * parameter_count(model)
     check_sized_as_vllm(figures, gpu, model)
+
+
+@pytest.mark.parametrize("model,spec,verify", [
+    ("smollm2-135m-instruct", {"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_min": 2,
+                               "prompt_lookup_max": 4}, "verify ngram k=7 T=2048 B=256 W=512"),
+    ("qwen3-0.6b", {"method": "draft_model", "model": os.path.join(CONFIGS, "qwen2.5-0.5b.json"),
+                    "num_speculative_tokens": 4}, "verify draft k=4 T=2048 B=256 W=2560")])
+def test_speculative_decoding_compiles_and_fits(tmp_path, model, spec, verify):
+    """Every step of an engine that speculates carries its proposer's state (n-gram's token pages,
+    or the draft's pages and weights), and its largest verification compiles too."""
+    status, figures, err = compile_for_gpu(tmp_path, "h100", model, "--programs", "largest",
+                                           "--speculative-config", json.dumps(spec))
+    assert status == 0, err[-3000:]
+    assert [p["name"] for p in figures["programs"]][2] == verify
+    check_sized_as_vllm(figures, "h100", model, draft="qwen2.5-0.5b" if "model" in spec else None)
 
 
 @pytest.mark.parametrize("kv_cache_dtype,page_bytes", [("int8", 1), ("fp8_e4m3", 1)])

@@ -51,6 +51,23 @@ def test_the_activation_peak_is_measured_from_the_compiled_step():
     assert 64 * hidden < small < large and large >= 512 * hidden
 
 
+def test_a_speculating_engines_activation_peak_is_its_largest_verifications():
+    """Verifying k proposals scores every row's 1 + k positions: with a vocabulary of 4096, 8 rows
+    x 8 positions of logits (and their probabilities) outweigh a 64-token prefill's 8 rows, and the
+    pool is sized by the larger; a draft model's k steps and proposal distributions add more."""
+    from paged_jax.worker import programs
+
+    model = random_model(tiny_config(vocab_size=4096))
+    kw = dict(backend="reference", block_size=16)
+    plain = activation_bytes(model, 64, 8, 256, **kw)
+    spec = activation_bytes(model, 64, 8, 256, num_speculative_tokens=7, **kw)
+    sizing = programs.Sizing(num_blocks=2, block_size=16, max_num_seqs=8, max_model_len=256)
+    verify = programs.prefill_program(model, sizing, num_tokens=64, num_rows=8, width=16, num_speculative_tokens=7)
+    assert spec == verify.memory_analysis().temp_size_in_bytes > plain + 8 * 7 * 4096 * 4  # 56 more rows of logits
+    draft = random_model(tiny_config(vocab_size=4096, num_layers=1), seed=3)
+    assert activation_bytes(model, 64, 8, 256, num_speculative_tokens=7, draft_model=draft, **kw) > spec
+
+
 def test_bad_preemption_settings_name_the_value():
     model = random_model(tiny_config())
     with pytest.raises(ValueError, match=r"preemption_mode must be one of \('recompute', 'swap'\), got 'offload'"):

@@ -102,3 +102,95 @@ def test_a_program_runs_on_zeros_through_its_tables():
     assert (np.asarray(out.tokens)[:4] >= 0).all()  # every live row sampled a token at every step
     _, out = gpu_compile.run_timed(engine, gpu_programs.prefill_program(engine, 32), runs=1)
     assert (np.asarray(out.tokens)[:4] >= 0).all()
+
+
+QWEN3 = os.path.join(os.path.dirname(SMOLLM2), "qwen3-0.6b.json")
+QWEN25 = os.path.join(os.path.dirname(SMOLLM2), "qwen2.5-0.5b.json")
+
+
+def test_an_ngram_engine_verifies_at_every_row_bucket_with_its_token_pages(built):
+    config = read_config(SMOLLM2, dtype="bfloat16")
+    spec = {"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    engine = gpu_programs.build(MODEL_REGISTRY["llama"].model_cls, config, jax.devices("cpu")[:1],
+                                bytes_limit=LIMIT, temp_bytes=lambda program: ACTIVATION, max_num_seqs=256,
+                                max_num_batched_tokens=8192, max_model_len=None, speculative_config=spec)
+    c = engine.config
+    assert (c.num_speculative_tokens, c.prompt_lookup) == (7, (2, 4))
+    assert c.num_blocks == built[0].config.num_blocks  # the token pages are not in bytes_per_block
+    programs = gpu_programs.engine_programs(engine)
+    verifies = [p.name for p in programs if p.name.startswith("verify")]
+    assert verifies == [f"verify ngram k=7 T={8 * b} B={b} W=512" for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)]
+    assert [p.name for p in gpu_programs.engine_programs(engine, "largest")][2] == verifies[-1]
+    for program in programs:  # every step carries the token pages and looks drafts up where it verifies
+        if program.steps:
+            state = program.args[2]
+            assert state.token_pages.token_ids.shape == (c.num_blocks, 16)
+            assert program.static["flags"].ngram == (2, 4)
+    verify = gpu_programs.verify_program(engine, 4)
+    batch = verify.values[3]  # the host's batch: every row planned ahead, k stand-ins each
+    assert batch.drafts.shape == (4, 7) and batch.spec_rows.shape == (4, 8) and bool(batch.optimistic.all())
+    assert (verify.steps, verify.tokens, verify.kv_tokens) == (1, 32, 3 * 8 + 8192)
+
+
+def test_a_draft_models_pages_share_the_pool_budget(tmp_path):
+    """Qwen3-0.6B verifying Qwen2.5-0.5B's proposals (one vocabulary of 151936): each block holds
+    both models' K/V, the weights are both models', every step carries the draft, and the pool is
+    sized by the larger activation peak of the largest prefill and the largest verification."""
+    target = read_config(QWEN3, dtype="bfloat16")
+    spec = {"method": "draft_model", "model": QWEN25, "num_speculative_tokens": 4}
+    probes = []
+
+    def temp_bytes(program):  # a verification's logits are every row's 1 + k: larger here
+        probes.append(program.name)
+        return 3 * ACTIVATION if program.name.startswith("verify") else ACTIVATION
+
+    sizes = dict(bytes_limit=LIMIT, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=None)
+    engine = gpu_programs.build(MODEL_REGISTRY["qwen3"].model_cls, target, jax.devices("cpu")[:1],
+                                temp_bytes=temp_bytes, speculative_config=spec, **sizes)
+    assert probes == ["prefill T=2048 B=64 W=2560", "verify draft k=4 T=512 B=64 W=2560"]
+    c = engine.config
+    target_block, draft_block = 28 * 2 * 8 * 16 * 128 * 2, 24 * 2 * 2 * 16 * 64 * 2
+    assert c.bytes_per_block == target_block + draft_block
+    assert c.num_blocks == int(0.9 * LIMIT - engine.weight_bytes - 3 * ACTIVATION) // c.bytes_per_block
+    assert (c.num_speculative_tokens, c.prompt_lookup) == (4, None)
+    plain = gpu_programs.build(MODEL_REGISTRY["qwen3"].model_cls, target, jax.devices("cpu")[:1],
+                               temp_bytes=lambda program: ACTIVATION, **sizes)
+    draft_weights = engine.weight_bytes - plain.weight_bytes
+    assert draft_weights == 2 * (151936 * 896 + 896 + 24 * (896 * 64 * (2 * 14 + 2 * 2) + 3 * 896 * 4864 + 2 * 896
+                                                             + 64 * (14 + 2 * 2)))  # q/k/v biases
+    names = [p.name for p in gpu_programs.engine_programs(engine, "quick")]
+    assert [n for n in names if n.startswith("verify")] == ["verify draft k=4 T=8 B=1 W=2560",
+                                                            "verify draft k=4 T=512 B=64 W=2560"]
+    verify = gpu_programs.verify_program(engine, 64)
+    assert verify.args[2].draft_cache.k_pages.shape == (2, 24 * c.num_blocks, 16, 64)
+    assert verify.static["draft_graphdef"] is not None and verify.args[6] is not None
+    with pytest.raises(ValueError, match="vocab_size 49152 differs from the target's 151936"):
+        gpu_programs.build(MODEL_REGISTRY["qwen3"].model_cls, target, jax.devices("cpu")[:1],
+                           temp_bytes=lambda program: ACTIVATION, speculative_config=dict(spec, model=SMOLLM2), **sizes)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_a_verification_runs_on_zeros(method):
+    """The verify program as gpu_check would time it, on this CPU with the reference backend: every
+    live row scores its proposals and samples at least one token."""
+    import dataclasses
+
+    from models import Llama
+    from paged_jax.worker import gpu_compile
+    from tests.models.model_testing import tiny_config
+
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec["model"] = tiny_config(num_layers=1)
+    engine = gpu_programs.build(Llama, tiny_config(), jax.devices("cpu")[:1], bytes_limit=2**28,
+                                temp_bytes=lambda program: 0, max_num_seqs=4, max_num_batched_tokens=32,
+                                max_model_len=64, speculative_config=spec)
+    engine = dataclasses.replace(engine, config=dataclasses.replace(engine.config, attention_backend="reference"))
+    program = gpu_programs.verify_program(engine, 4)
+    assert program.name == f"verify {method.split('_')[0]} k=3 T=16 B=4 W=4"
+    _, out = gpu_compile.run_timed(engine, program, runs=1)
+    taken = (np.asarray(out.tokens) >= 0).sum(axis=1)
+    assert out.tokens.shape == (4, 4) and (taken[:4] >= 1).all()
+    # The draft model proposes k for every row; the device's n-gram lookup finds k in the long row
+    # (60 zeros: its last 5 match) and none in a row of one token.
+    assert np.asarray(out.num_drafts)[:4].tolist() == ([3] * 4 if method == "draft_model" else [0, 0, 0, 3])
