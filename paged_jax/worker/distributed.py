@@ -19,6 +19,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from typing import NoReturn
 
 import jax
@@ -27,6 +28,7 @@ from paged_jax.worker import handshake
 
 EXIT_PEER_LOST = 70  # sysexits' EX_SOFTWARE: an internal failure, here another process's
 DEFAULT_TIMEOUT_S = 60
+PEER_CLOSE_S = 2.0  # how long a failed collective waits for a dead peer's liveness connection to close
 
 
 def parse_coordinator(address: str) -> tuple[str, int]:
@@ -112,15 +114,23 @@ class LivenessChannel:
 
         An uncaught exception is a failure the peers must hear of now, and this process leaves
         without jax's barrier, which they will not reach (it would abort this one at its timeout).
-        Where a peer's connection has closed already, that peer's end is the cause (a collective
-        fails as soon as its peer goes, before this connection's reader may have run): this process
-        stops as the reader would have, naming it."""
+        Where a peer's connection has closed, that peer's end is the cause (a collective fails as
+        soon as its peer goes, before this connection's reader may have run): this process stops
+        as the reader would have, naming it. A failed collective (a JaxRuntimeError: gloo's
+        "Connection reset by peer") may arrive before the dead peer's other sockets are seen to
+        close, so that one waits up to PEER_CLOSE_S for them."""
         if not hasattr(sys, "last_value"):
             self.leaving = True
             return
-        for peer, conn in self.conns.items():
-            if _closed(conn):
-                self._lost(peer)
+        wait = PEER_CLOSE_S if isinstance(sys.last_value, jax.errors.JaxRuntimeError) else 0.0
+        deadline = time.monotonic() + wait
+        while True:
+            for peer, conn in self.conns.items():
+                if _closed(conn):
+                    self._lost(peer)
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
         self.close()
         sys.stdout.flush()
         sys.stderr.flush()

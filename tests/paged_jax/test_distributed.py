@@ -7,9 +7,11 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import jax
 import pytest
 
 from paged_jax.worker import distributed
@@ -134,6 +136,31 @@ def test_an_uncaught_exception_names_a_lost_peer_or_tells_the_peers(monkeypatch,
     channel.conns, channel.leaving = {1: mine}, False
     channel.on_exit()  # a normal exit: the connections stay open for jax's barrier
     assert channel.leaving and not distributed._closed(mine) and not distributed._closed(peer)
+
+
+def test_a_failed_collective_waits_for_the_dead_peers_connection_to_close(monkeypatch):
+    """gloo may report a dead peer ("Connection reset by peer", a JaxRuntimeError) before that
+    peer's liveness connection is seen to close (CI caught it: exit 1 with a traceback, not 70):
+    the exit hook waits up to PEER_CLOSE_S for it, and names the peer when it closes 0.3 s later."""
+    ours, theirs = socket.socketpair()
+    channel = distributed.LivenessChannel.__new__(distributed.LivenessChannel)
+    channel.num_processes, channel.process_id, channel.leaving, channel.conns = 2, 0, False, {1: ours}
+    stops = []
+
+    def stop(*why):  # (process_id, message), or an exit status
+        stops.append(why if len(why) > 1 else why[0])
+        raise Exited
+    monkeypatch.setattr(distributed, "stop_on_lost_peer", stop)
+    monkeypatch.setattr(distributed.os, "_exit", stop)
+    monkeypatch.setattr(sys, "last_value", jax.errors.JaxRuntimeError("UNKNOWN: Gloo all-reduce failed: "
+                                                                      "Connection reset by peer"), raising=False)
+    closing = threading.Timer(0.3, theirs.close)
+    closing.start()
+    start = time.monotonic()
+    with pytest.raises(Exited):
+        channel.on_exit()
+    assert stops == [(0, "process 1 of 2 stopped without shutting down (it crashed, was killed or raised)")]
+    assert 0.25 < time.monotonic() - start < distributed.PEER_CLOSE_S
 
 
 def test_bad_process_arguments_are_refused_before_any_collective(capsys):
