@@ -56,9 +56,9 @@ def program(figures, prefix):
 
 def check_sized_as_vllm(figures, gpu, model, *, tp=1, page_bytes=2, scale_bytes=0, draft=None):
     """The pool holds what gpu_memory_utilization leaves of jax's limit after the weights and the
-    largest prefill's temps, capped at what max_num_seqs sequences of the model's whole context
-    could use; and weights, pool and every program's temps fit. `draft`: a draft model whose K/V
-    each block holds too."""
+    largest prefill's temps (or verification's, if larger), capped at what max_num_seqs sequences
+    of the model's whole context could use; and weights, pool and every program's temps fit.
+    `draft`: a draft model whose K/V each block holds too."""
     c, hf = figures["config"], json.load(open(os.path.join(CONFIGS, model + ".json")))
     limit = int(gpu_target.gpu_spec(gpu).memory_bytes * 0.75)  # XLA_PYTHON_CLIENT_MEM_FRACTION's default
     assert figures["bytes_limit"] == limit

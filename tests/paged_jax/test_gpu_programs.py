@@ -132,7 +132,7 @@ def test_an_ngram_engine_verifies_at_every_row_bucket_with_its_token_pages(built
     assert (verify.steps, verify.tokens, verify.kv_tokens) == (1, 32, 3 * 8 + 8192)
 
 
-def test_a_draft_models_pages_share_the_pool_budget(tmp_path):
+def test_a_draft_models_pages_share_the_pool_budget():
     """Qwen3-0.6B verifying Qwen2.5-0.5B's proposals (one vocabulary of 151936): each block holds
     both models' K/V, the weights are both models', every step carries the draft, and the pool is
     sized by the larger activation peak of the largest prefill and the largest verification."""
