@@ -149,17 +149,14 @@ class EngineArgs:
                                             block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype)
         kv_dtype = attention.check_kv_cache_dtype(self.kv_cache_dtype, backend, c.dtype)
         draft_bytes = 0 if draft_model is None else self.draft_bytes_per_block(c, draft_model.config, backend)
-        spec = self.speculative_config
-        k = spec.num_speculative_tokens if spec else 0
-        lookup = (spec.prompt_lookup_min, spec.prompt_lookup_max) if spec and spec.method == "ngram" else None
+        speculating = spec_config.engine_fields(self.speculative_config)
         config = config_lib.resolve(
             c, block_size=self.block_size, num_blocks=self.num_blocks,
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_fraction=self.kv_cache_memory_fraction,
             activation_bytes=functools.partial(model_runner.activation_bytes, model, backend=backend,
                                                block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,
-                                               num_speculative_tokens=k, draft_model=draft_model,
-                                               prompt_lookup=lookup),
+                                               draft_model=draft_model, **speculating),
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, num_decode_steps=self.num_decode_steps,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
@@ -167,7 +164,7 @@ class EngineArgs:
             kv_shards=sharding.tensor_parallel_size(mesh), sliding_window=getattr(c, "kv_window", None),
             kv_cache_dtype=self.kv_cache_dtype, preemption_mode=self.preemption_mode, swap_space=self.swap_space,
             enable_host_prefix_cache=self.enable_host_prefix_cache, draft_bytes_per_block=draft_bytes)
-        return dataclasses.replace(config, num_speculative_tokens=k, prompt_lookup=lookup)
+        return dataclasses.replace(config, **speculating)
 
     def draft_bytes_per_block(self, target, draft, backend: str) -> int:
         """A draft model's K/V bytes per block, once it is checked against the target: the same

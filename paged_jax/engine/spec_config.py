@@ -68,6 +68,13 @@ class SpeculativeConfig:
         return cls(method, k, low, high)
 
 
+def engine_fields(spec: SpeculativeConfig | None) -> dict:
+    """What EngineConfig keeps of `spec`: num_speculative_tokens (0: off) and, for n-gram, the
+    device lookup's (prompt_lookup_min, prompt_lookup_max) as prompt_lookup (else None)."""
+    lookup = (spec.prompt_lookup_min, spec.prompt_lookup_max) if spec and spec.method == "ngram" else None
+    return dict(num_speculative_tokens=spec.num_speculative_tokens if spec else 0, prompt_lookup=lookup)
+
+
 def load_draft_model(spec, *, dtype=None):
     """The draft model of a "draft_model" `spec` (a SpeculativeConfig) and its tokenizer (loaded in
     `dtype` if given as a path; None for a model object), or Nones; ValueError when it is not a

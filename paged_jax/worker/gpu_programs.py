@@ -21,8 +21,8 @@ from paged_jax.attention import cache_layout, check_kv_cache_dtype
 from paged_jax.core.plan import Plan
 from paged_jax.core.sequence import Request, Sequence
 from paged_jax.engine import config as config_lib
+from paged_jax.engine import spec_config
 from paged_jax.engine.arg_utils import EngineArgs
-from paged_jax.engine.spec_config import SpeculativeConfig
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker import abstract_engine, batching, ngram_proposer, penalty_state, runner, sharding, swap
 
@@ -61,7 +61,7 @@ def build(model_cls, model_config, devices, *, bytes_limit: int, temp_bytes: Cal
     mesh = Mesh(np.array(devices), (sharding.AXIS,))
     model = abstract_engine.abstract_model(model_cls, model_config, mesh)
     backend = "pallas"  # attention_backend "auto" on a GPU
-    spec, draft, draft_bytes = SpeculativeConfig.parse(speculative_config), None, 0
+    spec, draft, draft_bytes = spec_config.SpeculativeConfig.parse(speculative_config), None, 0
     with jax.default_device(devices[0]):  # fp8 pages are refused by name below sm_89
         kv_dtype = check_kv_cache_dtype(kv_cache_dtype, backend, model.config.dtype)
         if spec is not None and spec.method == "draft_model":
@@ -79,21 +79,21 @@ def build(model_cls, model_config, devices, *, bytes_limit: int, temp_bytes: Cal
                  attention_backend=backend, kv_dtype=kv_dtype, kv_shards=mesh.size,
                  sliding_window=getattr(model.config, "kv_window", None), kv_cache_dtype=kv_cache_dtype,
                  draft_bytes_per_block=draft_bytes)
-    lookup = (spec.prompt_lookup_min, spec.prompt_lookup_max) if spec and spec.method == "ngram" else None
-    speculating = dict(num_speculative_tokens=spec.num_speculative_tokens if spec else 0, prompt_lookup=lookup)
+    speculating = spec_config.engine_fields(spec)
     probe = abstract_engine.AbstractEngine(model, dataclasses.replace(
         config_lib.resolve(model.config, num_blocks=2, **sizes), **speculating), mesh, weights, draft)
 
-    def activation_bytes(num_tokens, max_num_seqs, max_model_len):  # as model_runner.activation_bytes
+    def peak(num_tokens, max_num_seqs):  # as model_runner.activation_bytes: -> (program, its temp bytes)
         verifies = [verify_program(probe, max_num_seqs)] if spec else []
-        return max(temp_bytes(program) for program in [prefill_program(probe, num_tokens)] + verifies)
+        return max(((p, temp_bytes(p)) for p in [prefill_program(probe, num_tokens)] + verifies), key=lambda x: x[1])
 
     try:
-        config = config_lib.resolve(model.config, num_blocks=None, activation_bytes=activation_bytes,
+        config = config_lib.resolve(model.config, num_blocks=None,
+                                    activation_bytes=lambda tokens, seqs, max_len: peak(tokens, seqs)[1],
                                     memory_stats={"bytes_limit": bytes_limit, "bytes_in_use": weights}, **sizes)
     except ValueError as e:  # the activation peak left no room for the KV pool
-        largest = prefill_program(probe, max_num_batched_tokens)
-        raise DoesNotFit(f"{largest.name} needs {temp_bytes(largest)} bytes of temps: {e}") from e
+        largest, temps = peak(max_num_batched_tokens, max_num_seqs)
+        raise DoesNotFit(f"{largest.name} needs {temps} bytes of temps: {e}") from e
     if max_model_len is None and config.max_model_len > (config.num_blocks - 1) * block_size:
         config = dataclasses.replace(config, max_model_len=(config.num_blocks - 1) * block_size)
     config = dataclasses.replace(config, **speculating)  # as EngineArgs.create_engine_config sets them
