@@ -7,12 +7,14 @@ variant, the GPU and the jax version.
 
   python -m pallas_kernels.mosaic.compile_check GPU KIND DTYPE KV_DTYPE HEAD_DIM BLOCK_SIZE \
       SOFT_CAP WINDOW GROUP
-prints one variant's stats as JSON (KIND: decode or ragged; KV_DTYPE: the pages', DTYPE for
+prints one variant's stats as JSON (KIND: decode, decode-split (one sequence, split-k over 4
+programs) or ragged; KV_DTYPE: the pages', DTYPE for
 unquantized; SOFT_CAP, WINDOW: 0 for none)."""
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import glob
 import hashlib
 import json
@@ -33,7 +35,8 @@ THREADS = 128  # one warpgroup per program
 # inner loop); block sizes 8 and 16 issue 8 and 4 copies per step, 128 one 64-row slice; int8 and
 # fp8 pages at block_size 32, the least they take (support.MIN_QUANTIZED_BLOCK_SIZE). Both
 # wrappers launch the same kernel (the group is a constant in its row arithmetic), so ragged needs
-# fewer rows.
+# fewer rows. Split-k adds code (the step share, the log2 sums' store): the benchmark's shape, the
+# column halves, both options, and int8 pages (the most registers).
 VARIANTS = [
     ("decode", "bfloat16", "bfloat16", 256, 16, 0, 0, 8),
     ("decode", "float16", "float16", 256, 8, 50.0, 4096, 2),  # Gemma-2's shape
@@ -45,6 +48,10 @@ VARIANTS = [
     ("decode", "float16", "float16", 128, 16, 0, 0, 8),
     ("decode", "bfloat16", "int8", 128, 32, 0, 0, 8),
     ("decode", "bfloat16", "float8_e4m3fn", 64, 32, 30.0, 4096, 4),
+    ("decode-split", "bfloat16", "bfloat16", 128, 16, 0, 0, 8),
+    ("decode-split", "bfloat16", "bfloat16", 256, 16, 0, 0, 8),
+    ("decode-split", "float16", "float16", 64, 128, 30.0, 4096, 4),
+    ("decode-split", "bfloat16", "int8", 128, 32, 0, 0, 8),
     ("ragged", "bfloat16", "bfloat16", 128, 16, 0, 0, 4),
     ("ragged", "float16", "float16", 64, 8, 30.0, 4096, 8),
     ("ragged", "bfloat16", "int8", 128, 32, 0, 0, 4),
@@ -54,7 +61,7 @@ VARIANTS = [
 # so H200 compiles decode at the benchmark's head_dim (128, block size 16; 32 for int8) in each
 # dtype, H100 every variant.
 BUILDS = ([("h100", v) for v in VARIANTS]
-          + [("h200", v) for v in VARIANTS if v[0] == "decode" and v[3] == 128 and v[4] in (16, 32)])
+          + [("h200", v) for v in VARIANTS if v[0].startswith("decode") and v[3] == 128 and v[4] in (16, 32)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,16 +79,18 @@ class KernelStats:
         return min(REGISTERS_PER_SM // regs, (228 * 1024) // (self.shared + 1024))
 
 
-def shared_bytes(head_dim: int, itemsize: int, quantized_itemsize: int | None = None) -> int:
+def shared_bytes(head_dim: int, itemsize: int, quantized_itemsize: int | None = None,
+                 split: bool = False) -> int:
     """The kernel's scratch: q [64, hd], K [2, 64, hd], V [2, 64, cols] (cols: the program's
     output columns), p [64, 64]; with quantized pages K and V in their dtype, their cast copies
-    [64, hd] and [64, cols] and f32 scales [2, 64] each."""
+    [64, hd] and [64, cols] and f32 scales [2, 64] each; split-k, the f32 log2 sums [64]."""
     from pallas_kernels.mosaic.kernel import KEYS, PV_COLS, ROWS
     cols = min(head_dim, PV_COLS)
     rows, kv, barriers = ROWS * head_dim + ROWS * KEYS, 2 * KEYS * (head_dim + cols), 3 * 8
+    extra = barriers + (4 * ROWS if split else 0)
     if quantized_itemsize is None:
-        return itemsize * (rows + kv) + barriers
-    return itemsize * (rows + kv // 2) + quantized_itemsize * kv + 4 * 4 * KEYS + barriers
+        return itemsize * (rows + kv) + extra
+    return itemsize * (rows + kv // 2) + quantized_itemsize * kv + 4 * 4 * KEYS + extra
 
 
 def _one(gpu, kind, dtype, kv_dtype, head_dim, block_size, soft_cap, window, group):
@@ -96,8 +105,8 @@ def _one(gpu, kind, dtype, kv_dtype, head_dim, block_size, soft_cap, window, gro
     from pallas_kernels import mosaic
     device = gpu_target.compile_only_device(gpu)
     sharding = NamedSharding(Mesh([device], ("x",)), P())
-    num_seqs, kv_heads, num_blocks, max_blocks = 64, 8, 4096, 64
-    num_tokens = num_seqs if kind == "decode" else 2048
+    num_seqs, kv_heads, num_blocks, max_blocks = (1 if kind == "decode-split" else 64), 8, 4096, 64
+    num_tokens = 2048 if kind == "ragged" else num_seqs
 
     def arg(shape, dt):
         return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
@@ -106,6 +115,8 @@ def _one(gpu, kind, dtype, kv_dtype, head_dim, block_size, soft_cap, window, gro
     args = [arg((num_tokens, kv_heads * group, head_dim), dtype), pages, pages,
             arg((num_seqs, max_blocks), jnp.int32), arg((num_seqs,), jnp.int32)]
     fn = mosaic.paged_attention_mosaic
+    if kind == "decode-split":
+        fn = functools.partial(fn, num_splits=4)
     if kind == "ragged":
         fn, args = mosaic.ragged_paged_attention_mosaic, args + [arg((num_seqs + 1,), jnp.int32)]
     opts = dict(soft_cap=soft_cap or None, sliding_window=int(window) or None)
@@ -129,7 +140,8 @@ def _one(gpu, kind, dtype, kv_dtype, head_dim, block_size, soft_cap, window, gro
     stack, stores, loads = map(int, spills.groups())
     return KernelStats(int(used.group(1)), stores, loads, stack,
                        shared_bytes(head_dim, jnp.dtype(dtype).itemsize,
-                                    jnp.dtype(kv_dtype).itemsize if quantized else None))
+                                    jnp.dtype(kv_dtype).itemsize if quantized else None,
+                                    split=kind == "decode-split"))
 
 
 def _cache_file(gpu, variant):

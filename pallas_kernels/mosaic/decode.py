@@ -1,6 +1,8 @@
 """Paged decode attention on Pallas Mosaic GPU: one query token per sequence (kernel.py). A program
 per (sequence, KV head): its G query heads are padded to the kernel's 64 rows in XLA (decode reads
-keys, not queries: the padding costs 64 / G times a tiny q)."""
+keys, not queries: the padding costs 64 / G times a tiny q). Split-k (FlashDecoding, as the Triton
+kernel does): when the (sequence, KV head) programs cannot fill the GPU, each sequence's key steps
+are shared out over num_splits programs and XLA merges their partials (kernel.combine)."""
 from __future__ import annotations
 
 import functools
@@ -10,13 +12,20 @@ import jax.numpy as jnp
 
 from pallas_kernels import checks
 from pallas_kernels.mosaic import kernel
+
+# A program (one warpgroup) is resident 1-3 to an SM of an H100/H200 (132 SMs), by its head_dim's
+# registers and shared memory: about two waves of them. Untuned (no GPU was at hand); override
+# with num_splits.
+TARGET_PROGRAMS = 512
+MIN_STEPS_PER_SPLIT = 4  # 256 keys: below this a split's fixed cost (q, the partials) outweighs its reads
+MAX_SPLITS = 16
 from pallas_kernels.mosaic.support import check_supported
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window",
-                                             "interpret"))
+                                             "interpret", "num_splits"))
 def _paged_attention_mosaic(q, k_pages, v_pages, block_tables, seq_lens, k_scales, v_scales, *,
-                            sm_scale, soft_cap, sliding_window, interpret):
+                            sm_scale, soft_cap, sliding_window, interpret, num_splits):
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[0]
     group = num_heads // num_kv_heads
@@ -26,8 +35,22 @@ def _paged_attention_mosaic(q, k_pages, v_pages, block_tables, seq_lens, k_scale
     out = kernel.attention(
         q_rows, k_pages, v_pages, block_tables, jnp.arange(num_seqs, dtype=jnp.int32), lens - 1,
         (lens > 0).astype(jnp.int32), k_scales, v_scales, group=group, sm_scale=sm_scale, soft_cap=soft_cap,
-        sliding_window=sliding_window, interpret=interpret)
+        sliding_window=sliding_window, interpret=interpret, splits=num_splits)
+    if num_splits > 1:
+        out = kernel.combine(*out, num_splits)
     return out[:, :, :group].reshape(q.shape)
+
+
+def default_splits(num_seqs, num_kv_heads, head_dim, max_len, sliding_window=None) -> int:
+    """Splits enough for about TARGET_PROGRAMS programs, each at least MIN_STEPS_PER_SPLIT key
+    steps of the longest context the tables address (or the window), at most MAX_SPLITS."""
+    programs = max(1, num_seqs * num_kv_heads * (head_dim // min(head_dim, kernel.PV_COLS)))
+    if programs >= TARGET_PROGRAMS // 2:
+        return 1
+    steps = -(-max_len // kernel.KEYS)
+    if sliding_window is not None:
+        steps = min(steps, -(-sliding_window // kernel.KEYS) + 1)
+    return max(1, min(-(-TARGET_PROGRAMS // programs), steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS))
 
 
 def paged_attention_mosaic(
@@ -43,10 +66,11 @@ def paged_attention_mosaic(
     interpret=False,  # True: the Mosaic GPU interpreter, on the CPU
     k_scales=None,  # f32[num_kv_heads, num_blocks, block_size]: with int8/fp8 pages
     v_scales=None,  # f32[num_kv_heads, num_blocks, block_size]
+    num_splits=None,  # split-k programs per (sequence, KV head); default: default_splits
 ):
     """paged_attention's contract (decode over keys [0, seq_len), or the last `sliding_window` of
-    them) on Mosaic GPU. Takes what `support.supports` accepts (bf16/f16, head_dim 64 or 128,
-    power-of-two block_size >= 8; pages of q's dtype, or int8/fp8 ones with their scales, which
+    them) on Mosaic GPU. Takes what `support.supports` accepts (bf16/f16, head_dim 64, 128 or
+    256, power-of-two block_size >= 8; pages of q's dtype, or int8/fp8 ones with their scales, which
     are cast to q's dtype in shared memory and scaled as quantization.py says), else raises
     ValueError saying why."""
     _, _, head_dim = checks.check_attention(q, k_pages, v_pages, block_tables, seq_lens,
@@ -56,6 +80,11 @@ def paged_attention_mosaic(
         raise ValueError(f"q has {q.shape[0]} sequences, block_tables {block_tables.shape[0]}")
     checks.check_options(sm_scale, soft_cap, sliding_window)
     check_supported("paged_attention_mosaic", q, k_pages)
+    if num_splits is None:
+        num_splits = default_splits(q.shape[0], k_pages.shape[0], head_dim,
+                                    block_tables.shape[1] * k_pages.shape[2], sliding_window)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     if q.shape[0] == 0:
         return jnp.zeros_like(q)
     return _paged_attention_mosaic(
@@ -63,4 +92,4 @@ def paged_attention_mosaic(
         sm_scale=float(head_dim**-0.5 if sm_scale is None else sm_scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         sliding_window=None if sliding_window is None else int(sliding_window),
-        interpret=bool(interpret))
+        interpret=bool(interpret), num_splits=num_splits)

@@ -46,7 +46,7 @@ def _cast(x, dtype):
 
 def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
             q_smem, k_smem, v_smem, p_smem, q_barrier, kv_barriers, group, sm_scale, soft_cap,
-            sliding_window, quantized=None):
+            sliding_window, splits, quantized=None, lse_smem=None):
     # tile_seq_ref: i32[num_tiles], the block-table row; tile_pos_ref: i32[num_tiles], the position
     # of the tile's first token in its sequence; tile_tokens_ref: i32[num_tiles], its live tokens
     # (0..ROWS // group) (GMEM)
@@ -54,13 +54,19 @@ def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_re
     # q_ref, o_ref: [num_tiles, num_kv_heads, ROWS, head_dim] (GMEM)
     # k_ref, v_ref: [num_kv_heads, num_blocks, block_size, head_dim] (GMEM)
     # refs: (k_scale_ref, v_scale_ref f32[num_kv_heads, num_blocks, block_size] with int8/fp8
-    # pages,) o_ref
+    # pages,) o_ref (, lse_ref f32[num_tiles * splits, num_kv_heads, ROWS] when splits > 1: o_ref
+    # then holds each split's output normalized by its own sum, lse_smem [ROWS] stages the log2 sum)
     # q_smem: [ROWS, head_dim]; k_smem: [2, KEYS, head_dim], v_smem: [2, KEYS, cols] (two slots,
     # the pages' dtype; cols: this program's output columns); p_smem: [ROWS, KEYS]; kv_barriers:
     # one per slot, an arrival per copy. quantized: dict(k16=[KEYS, head_dim], v16=[KEYS, cols]
     # in q's dtype (the cast pages WGMMA reads), ks=, vs= f32[2, KEYS] (the step's scales))
-    o_ref = refs[-1]
-    tile, head = lax.axis_index("tile"), lax.axis_index("head")
+    if splits > 1:
+        *refs, o_ref, lse_ref = refs
+    else:
+        *refs, o_ref = refs
+    # The "tile" axis is (tile, split) pairs: a split takes a contiguous share of the tile's steps.
+    index, head = lax.axis_index("tile"), lax.axis_index("head")
+    tile, split = (index, 0) if splits == 1 else (lax.div(index, splits), lax.rem(index, splits))
     _, num_blocks, block_size, head_dim = k_ref.shape
     cols = v_smem.shape[-1]
     out_cols = pl.ds(lax.axis_index("half") * cols, cols)  # this program's output columns
@@ -73,6 +79,10 @@ def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_re
     lo_min = 0 if sliding_window is None else jnp.maximum(pos0 + 1 - sliding_window, 0)
     first = lo_min // KEYS
     end = jnp.maximum(lax.div(hi_max + KEYS - 1, KEYS), first)
+    if splits > 1:  # this split's share of the steps [first, end); a share may be empty
+        share = lax.div(end - first + splits - 1, splits)
+        first = jnp.minimum(first + split * share, end)
+        end = jnp.minimum(first + share, end)
 
     def fetch(step, slot):  # TMA copies of step's K and V pages into `slot`
         for c in range(KEYS // chunk):
@@ -164,15 +174,20 @@ def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_re
                + pl.run_scoped(functools.partial(pv, values), plgpu.ACC((ROWS, cols), jnp.float32)))
         return acc, m_new, l
 
-    acc, _, l = lax.fori_loop(0, end - first, step, (acc, m, l))
+    acc, m, l = lax.fori_loop(0, end - first, step, (acc, m, l))
     l_b = lax.broadcast_in_dim(l, acc.shape, [0])  # rows that saw no key give zeros
     out = jnp.where(l_b > 0, acc / jnp.where(l_b > 0, l_b, 1.0), 0.0)
     # The output's staging buffer, free once the loop is done: q_smem when it is all the columns,
     # else a V slot (a TMA copy reads contiguous shared memory: half of q_smem's columns is not).
     stage = q_smem if cols == head_dim else v_smem.at[0]
     stage[...] = out.astype(stage.dtype)
+    if splits > 1:  # log2 of the split's softmax sum, in the loop's base-2 units; MASK_VALUE: no key
+        lse_smem[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)) * LOG2E, MASK_VALUE)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(stage, o_ref.at[tile, head, :, out_cols])
+    plgpu.copy_smem_to_gmem(stage, o_ref.at[index, head, :, out_cols])
+    if splits > 1:
+        pl.when(lax.axis_index("half") == 0)(
+            lambda: plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[index, head]))
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -200,8 +215,12 @@ def attention(
     soft_cap: float | None,
     sliding_window: int | None,
     interpret: bool,
-):  # -> [num_tiles, num_kv_heads, ROWS, head_dim]
-    """Launch the kernel: grid (num_tiles, num_kv_heads, head_dim // cols)."""
+    splits: int = 1,
+):  # -> [num_tiles, num_kv_heads, ROWS, head_dim]; with splits > 1 (out, lse) per split, see combine
+    """Launch the kernel: grid (num_tiles * splits, num_kv_heads, head_dim // cols). `splits` > 1
+    (split-k, FlashDecoding): each tile's key steps are shared out over `splits` programs, each
+    writing its output normalized by its own softmax sum and that sum's log2 (`combine` merges
+    them), so few long sequences still fill the GPU."""
     _, _, _, head_dim = q_rows.shape
     block_size = k_pages.shape[2]
     dtype, kv_dtype = q_rows.dtype, k_pages.dtype
@@ -213,6 +232,7 @@ def attention(
         v_smem=plgpu.SMEM((2, KEYS, cols), kv_dtype, transforms=_smem_tiles(kv_dtype, cols)),
         p_smem=plgpu.SMEM((ROWS, KEYS), dtype, transforms=_smem_tiles(dtype, KEYS)),
         q_barrier=plgpu.Barrier(num_barriers=1),
+        **({"lse_smem": plgpu.SMEM((ROWS,), jnp.float32)} if splits > 1 else {}),
         kv_barriers=plgpu.Barrier(num_arrivals=(4 if k_scales is not None else 2) * copies,
                                   num_barriers=2))
     inputs = [tile_seq, tile_pos, tile_tokens, block_tables.astype(jnp.int32), q_rows, k_pages,
@@ -225,14 +245,34 @@ def attention(
             v16=plgpu.SMEM((KEYS, cols), dtype, transforms=_smem_tiles(dtype, cols)), ks=plgpu.SMEM((2, KEYS), jnp.float32),
                                  vs=plgpu.SMEM((2, KEYS), jnp.float32))
     kernel = functools.partial(_kernel, group=group, sm_scale=sm_scale, soft_cap=soft_cap,
-                               sliding_window=sliding_window)
+                               sliding_window=sliding_window, splits=splits)
+    num_tiles, num_kv_heads = tile_seq.shape[0], k_pages.shape[0]
+    out_type = jax.ShapeDtypeStruct((num_tiles * splits,) + q_rows.shape[1:], dtype)
+    if splits > 1:
+        out_type = (out_type, jax.ShapeDtypeStruct((num_tiles * splits, num_kv_heads, ROWS), jnp.float32))
     return plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct(q_rows.shape, dtype),
+        out_type=out_type,
         scratch_types=smem,
-        grid=(tile_seq.shape[0], k_pages.shape[0], head_dim // cols),
+        grid=(num_tiles * splits, num_kv_heads, head_dim // cols),
         grid_names=("tile", "head", "half"),
         kernel_name="paged_attention_mosaic",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(*inputs)
+
+
+def combine(out, lse, splits: int):
+    """Merge split-k partials (XLA, f32): out [num_tiles * splits, num_kv_heads, ROWS, head_dim]
+    (each split's output over its own keys), lse f32[num_tiles * splits, num_kv_heads, ROWS] (log2
+    of its softmax sum; MASK_VALUE where it saw no key) -> [num_tiles, num_kv_heads, ROWS,
+    head_dim] in out's dtype, zeros where no split saw a key."""
+    dtype = out.dtype
+    out = out.reshape((-1, splits) + out.shape[1:]).astype(jnp.float32)
+    lse = lse.reshape((-1, splits) + lse.shape[1:])
+    seen = lse > MASK_VALUE / 2
+    top = jnp.max(jnp.where(seen, lse, MASK_VALUE), axis=1, keepdims=True)
+    weight = jnp.where(seen, jnp.exp2(lse - top), 0.0)  # [num_tiles, splits, num_kv_heads, ROWS]
+    total = weight.sum(axis=1)
+    merged = (weight[..., None] * out).sum(axis=1) / jnp.where(total > 0, total, 1.0)[..., None]
+    return merged.astype(dtype)

@@ -34,6 +34,7 @@ class DecodeCases:
         out = self.run(batch, **opts)
         tol = TOL[batch["q"].dtype.type]
         assert out.shape == batch["q"].shape and out.dtype == batch["q"].dtype
+        opts.pop("num_splits", None)
         assert rel_err(out, dense_attention(batch, **opts)) <= tol
         return out
 
@@ -53,6 +54,20 @@ class DecodeCases:
         batch = make_batch(1, lens, [1] * len(lens), group=4, block_size=16, dtype=BF16)
         batch = poison_unseen({**batch, "q": batch["q"] * 4}, sliding_window=37)
         self.check(batch, soft_cap=3.0, sliding_window=37, sm_scale=0.2)
+
+    @pytest.mark.parametrize("splits,group,head_dim,opts", [
+        (16, 4, 64, {}),  # 5 steps over 16 programs: 11 see no key and must weigh nothing
+        (3, 8, 128, dict(sliding_window=100, soft_cap=5.0)),  # shares cut inside the window
+        (2, 2, 256, {}),  # with the column halves
+    ])
+    def test_split_k_matches_dense_float64(self, splits, group, head_dim, opts):
+        """Split-k: each sequence's key steps shared over `splits` programs whose partials XLA
+        merges; a long sequence, a one-key one and a padding row (zeros); unseen pages NaN."""
+        lens = [300, 1, 129, 0]
+        batch = poison_unseen(make_batch(4, lens, [1] * len(lens), group=group, head_dim=head_dim,
+                                         block_size=16, dtype=BF16), opts.get("sliding_window"))
+        out = self.check(batch, num_splits=splits, **opts)
+        assert not np.asarray(out[-1]).any()
 
     def test_matches_jnp_reference(self):
         """The same bf16 inputs through the engine's jnp reference (a prefix-shared block: two
@@ -153,15 +168,16 @@ class QuantizedCases:
     """int8/fp8 pages: cast to q's dtype in shared memory, scaled per (token, KV head)."""
     INTERPRET = False
 
-    @pytest.mark.parametrize("storage", [jnp.int8, jnp.float8_e4m3fn])
-    def test_decode(self, storage):
+    @pytest.mark.parametrize("storage,splits", [(jnp.int8, 1), (jnp.float8_e4m3fn, 1), (jnp.int8, 3)])
+    def test_decode(self, storage, splits):
         lens = [1, 15, 64, 65, 150, 0]
         batch = make_batch(8, lens, [1] * len(lens), group=8, head_dim=128, block_size=32,
                            dtype=BF16)
         inputs, dequantized = quantized(batch, storage, sliding_window=100)
         out = mosaic.paged_attention_mosaic(
             *(inputs[n] for n in NAMES), k_scales=inputs["k_scales"],
-            v_scales=inputs["v_scales"], sliding_window=100, interpret=self.INTERPRET)
+            v_scales=inputs["v_scales"], sliding_window=100, interpret=self.INTERPRET,
+            num_splits=splits)
         assert rel_err(out, dense_attention(dequantized, sliding_window=100)) <= TOL[BF16]
 
     def test_ragged_int8(self):
@@ -194,6 +210,26 @@ def test_rejects_what_it_does_not_take(change, message):
                        block_size=change.get("block_size", 8), dtype=dtype)
     with pytest.raises(ValueError, match=message):
         mosaic.paged_attention_mosaic(*(batch[n] for n in NAMES), interpret=True)
+
+
+@pytest.mark.parametrize("splits", [0, 2.0, True])
+def test_rejects_a_bad_split_count(splits):
+    batch = make_batch(3, [5], [1], dtype=BF16)
+    with pytest.raises(ValueError, match=f"num_splits must be a positive int, got {splits!r}"):
+        mosaic.paged_attention_mosaic(*(batch[n] for n in NAMES), num_splits=splits, interpret=True)
+
+
+@pytest.mark.parametrize("num_seqs,head_dim,max_len,window,expected", [
+    (64, 128, 8192, None, 1),  # the benchmark's batch: 512 programs already
+    (1, 128, 8192, None, 16),  # one sequence, 8 KV heads: 64 programs wanted, 16 at most
+    (16, 128, 1024, None, 4),  # 128 programs want 4; 16 steps allow 4 of 4 steps each
+    (1, 128, 512, None, 2),  # 8 steps: 2 splits of 4
+    (1, 128, 8192, 100, 1),  # a 100-key window: 3 steps, too few to share
+    (2, 256, 8192, None, 16),  # the column halves count as programs: 32
+])
+def test_default_splits(num_seqs, head_dim, max_len, window, expected):
+    from pallas_kernels.mosaic.decode import default_splits
+    assert default_splits(num_seqs, 8, head_dim, max_len, window) == expected
 
 
 @pytest.mark.parametrize("head_dim,block_size,message", [
