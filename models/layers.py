@@ -102,6 +102,14 @@ def window_period(windows) -> int:
     return next(p for p in range(1, n + 1) if all(w == windows[i % p] for i, w in enumerate(windows)))
 
 
+# XLA:GPU copies a dynamic slice of a stacked weight into a buffer of its own before a Triton gemm
+# fusion reads it: each layer's weights were read, written and read again (Llama-3.1-8B on an H100:
+# 400 MiB a layer, 2.6x the weight bytes a decode step must read). cuBLAS gemms read the slice in
+# place under XLA's dynamic-slice fusion when its offset is the loop's induction variable
+# (scan_layers). The jitted model steps compile with these options; CPU and TPU ignore them.
+COMPILER_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_enable_triton_gemm": False}
+
+
 def scan_layers(
     layer_fn,  # (x, w, attention, attn_state) -> (x, attn_state)
     x,  # [..., hidden_size]
@@ -110,7 +118,7 @@ def scan_layers(
     attention,  # (q, k, v, attn_state, layer, sliding_window) -> (out, attn_state)
     attn_state,  # carried through the scan: the paged cache, or None
 ):
-    """Run every layer under `lax.scan`, so compile time does not grow with depth -> (x, attn_state).
+    """Run every layer in one loop, so compile time does not grow with depth -> (x, attn_state).
 
     The attention kernels take the sliding window as a static Python int (it sets their loop bounds
     and tile skipping), so one scan step cannot choose it from a traced layer index, and a `lax.cond`
@@ -125,20 +133,21 @@ def scan_layers(
         bound = functools.partial(attention, layer=layer, sliding_window=windows[j])
         return layer_fn(x, w, bound, state)
 
-    def step(carry, first):
+    def step(group, carry):
         x, state = carry
         for j in range(period):
-            w = {name: jax.lax.dynamic_index_in_dim(a, first + j, keepdims=False) for name, a in weights.items()}
-            x, state = run(x, state, w, first + j, j)
-        return (x, state), None
+            layer = period * group + j
+            w = {name: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False) for name, a in weights.items()}
+            x, state = run(x, state, w, layer, j)
+        return x, state
 
-    # The scan indexes the stacked [num_layers, ...] arrays itself rather than taking them as `xs`
+    # The loop indexes the stacked [num_layers, ...] arrays itself rather than taking them as `xs`
     # regrouped to [groups, period, ...]: that reshape, even with period 1, gave XLA:CPU a layout
     # for the inner loop's operand ({..., 0, 1}: the size-1 axis outermost) that it then copied to
-    # the loop's default one, every stacked weight once per decode step.
-    firsts = period * jnp.arange(groups, dtype=jnp.int32)
+    # the loop's default one, every stacked weight once per decode step. The index is the loop's
+    # own counter, not read from an array, so XLA:GPU can read each slice in place (COMPILER_OPTIONS).
     with jax.named_scope("layers"):
-        (x, attn_state), _ = jax.lax.scan(step, (x, attn_state), firsts)
+        x, attn_state = jax.lax.fori_loop(0, groups, step, (x, attn_state))
         for layer in range(groups * period, num_layers):
             x, attn_state = run(x, attn_state, {name: a[layer] for name, a in weights.items()},
                                 jnp.int32(layer), layer % period)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import causal_attention, gated_mlp, rms_norm, scan_layers, self_attention
+from models.layers import COMPILER_OPTIONS, causal_attention, gated_mlp, rms_norm, scan_layers, self_attention
 from models.llama_config import (ARCHITECTURES, PRESETS, SUPPORTED_DTYPES, LlamaConfig, hf_common_fields, preset,
                                  rope_inv_freq)
 from models.quantize import head_logits
@@ -145,7 +145,9 @@ class Llama(nnx.Module):
         if scale is not None:  # int8 (models/quantize.py)
             return head_logits(h, head[...], scale[...], tied=tied)
         spec = "...d,vd->...v" if tied else "...d,dv->...v"
-        return jnp.einsum(spec, h, head[...], preferred_element_type=jnp.float32)
+        # In the weights' dtype, then f32, as vLLM's and transformers' LM heads: a bf16 x bf16 -> f32
+        # product made XLA:GPU's cuBLAS path (layers.COMPILER_OPTIONS) widen the whole head to f32.
+        return jnp.einsum(spec, h, head[...]).astype(jnp.float32)
 
     def logits(self, x):  # x [..., hidden] -> f32[..., vocab]
         with jax.named_scope("lm_head"):
@@ -195,7 +197,8 @@ class Llama(nnx.Module):
                               storage_dtype(kv_cache_dtype, c.dtype), layout=layout)
 
 
-@functools.partial(jax.jit, static_argnames=("backend", "mesh"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("backend", "mesh"), donate_argnames=("cache",),
+                   compiler_options=COMPILER_OPTIONS)
 def forward(
     graphdef: nnx.GraphDef,
     state: nnx.State,

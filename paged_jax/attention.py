@@ -227,16 +227,18 @@ def _attend_local(q, k, v, cache: KVCache, layer, md: AttentionMetadata, *, back
 
 
 def resolve_backend(backend: str = "auto", *, dtype=None, head_dim=None, block_size=None,
-                    kv_cache_dtype="auto") -> str:
+                    kv_cache_dtype="auto", platform=None) -> str:
     """`auto`: on a GPU, Pallas Mosaic GPU ("pallas_mosaic") on Hopper when this jax has it and
     the model's `dtype`, `head_dim`, `block_size` and `kv_cache_dtype` are ones it takes (the first
     three must be given), else Pallas Triton ("pallas"); jax's TPU kernel on TPU; jnp references elsewhere.
-    "pallas_triton" is "pallas"."""
+    "pallas_triton" is "pallas". `platform`: the one built for (default jax's default backend; a
+    deviceless GPU build passes "gpu" with its compile-only device as jax's default device)."""
     if backend == "auto":
-        if jax.default_backend() == "gpu":
+        platform = platform or jax.default_backend()
+        if platform == "gpu":
             fits = _mosaic_fits(dtype, head_dim, block_size, kv_cache_dtype)
             return "pallas_mosaic" if fits else "pallas"
-        return {"tpu": "tpu"}.get(jax.default_backend(), "reference")
+        return {"tpu": "tpu"}.get(platform, "reference")
     if backend == "pallas_triton":
         return "pallas"
     if backend not in BACKENDS:

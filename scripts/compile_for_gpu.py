@@ -36,6 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's, cut to what fits")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "pallas_triton", "pallas_mosaic"],
+                   help="auto: what the engine picks on that GPU (Mosaic GPU on Hopper for the models it takes)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--speculative-config", default=None,
@@ -58,8 +60,12 @@ def table(engine, done, spec):
         print(f"{s.name:38} {s.compile_seconds:9.1f} {s.argument_bytes / GiB:8.2f} {s.output_bytes / GiB:7.2f} "
               f"{s.alias_bytes / GiB:9.2f} {s.temp_bytes / 2**20:8.1f} {s.flops / 1e9:8.1f} "
               f"{s.bytes_accessed / 1e9:8.2f} {s.roofline_seconds(spec) * 1e3:8.2f} {model}")
-    print("* XLA's HloCostAnalysis of the compiled program: a loop body counted once, a Pallas kernel as "
-          "no flops and its whole operands as bytes")
+    print("* XLA's HloCostAnalysis of the compiled program: a loop body counted once, a Pallas kernel and a "
+          "cuBLAS call as no flops, and their whole operands as bytes")
+    for program, s in done:
+        if s.copied_layer_slices:
+            print(f"{s.name}: copies layer slices of the stacked weights before reading them: "
+                  + ", ".join(s.copied_layer_slices))
 
 
 def main(argv=None):
@@ -83,7 +89,8 @@ def main(argv=None):
             MODEL_REGISTRY[model_config.model_type].model_cls, model_config, devices, bytes_limit=limit,
             temp_bytes=temp_bytes, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
-            gpu_memory_utilization=args.gpu_memory_utilization, speculative_config=args.speculative_config)
+            gpu_memory_utilization=args.gpu_memory_utilization, speculative_config=args.speculative_config,
+            attention_backend=args.attention_backend)
     except gpu_programs.DoesNotFit as e:
         sys.exit(f"does not fit: {e}")
     c = engine.config

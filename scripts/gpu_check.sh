@@ -3,7 +3,8 @@
 #   1. the gpu-marked tests: the compiled kernels against the references, the engine on the GPU
 #      (scripts/gpu_tests.py: each failure isolated in its own process)
 #   2. the kernel benchmark: ours at its DECODE_TILES row, jax's own kernel where this jax has it,
-#      dense attention over contiguous K/V (also written as JSON)
+#      dense attention over contiguous K/V (also written as JSON); at batch 64, then one sequence of
+#      Llama-3.1-8B's heads at 8k and 32k context (where both our kernels split each sequence's keys)
 #   3. the engine end to end on the embedded model: the Pallas backends (Triton, and Mosaic GPU
 #      where this jax has it, on Hopper) against the reference backend, greedy tokens compared
 #      and tok/s of each
@@ -51,7 +52,9 @@ step() {  # step N TITLE SECONDS COMMAND...: run under a time limit; its output 
 # each failure in a fresh process (a kernel's fault poisons the CUDA context), the first fault
 # again under compute-sanitizer; the rounds' logs go to $out/tests/
 step 1 "gpu-marked tests" 200 "$python" scripts/gpu_tests.py --log-dir "$out/tests" --budget 180
-step 2 "kernel benchmark" 100 "$python" scripts/benchmark_kernel.py --out "$out/benchmark_kernel.json"
+step 2 "kernel benchmark" 130 bash -c "'$python' scripts/benchmark_kernel.py --out '$out/benchmark_kernel.json' &&
+  '$python' scripts/benchmark_kernel.py --batch 1 --contexts 8192 32768 --num-kv-heads 8 \
+    --out '$out/benchmark_kernel_one_sequence.json'"
 step 3 "engine on the embedded model: pallas backends against reference" 100 "$python" - <<'EOF'
 # Greedy tokens in bf16 may part where the model's top two are a near tie: a difference counts
 # only where the reference's own logprobs put its token more than TIE above the kernel's.

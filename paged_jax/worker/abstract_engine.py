@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from paged_jax.engine import config as config_lib
-from paged_jax.worker import sharding
+from paged_jax.worker import hlo_audit, sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +30,17 @@ class AbstractEngine:
     @property
     def kv_bytes(self) -> int:  # per device
         return self.config.num_blocks * self.config.bytes_per_block // self.placement.size
+
+    def layer_slices(self) -> dict[int, str]:
+        """Elements of one layer's slice of each stacked weight on one device (the draft's too) ->
+        its name: what `hlo_audit.copied_layer_slices` looks for in a compiled program."""
+        sizes = {}
+        for model in (self.model, self.draft_model):
+            if model is not None:
+                leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model.layers, nnx.Param))
+                shapes = {str(path[0].key): x.sharding.shard_shape(x.shape) for path, x in leaves}
+                sizes.update(hlo_audit.layer_slice_sizes(shapes, model.config.num_layers))
+        return sizes
 
 
 def placed(tree, specs, mesh):

@@ -3,8 +3,9 @@ about each: compile seconds, memory (arguments, outputs, temps), cost (flops, by
 roofline time those give on the GPU's peak and bandwidth; then whether the engine fits.
 
 A compile's figures are kept in CACHE_DIR under the hash of the lowered program, the GPU's target
-config and the jax version, so a run whose programs did not change compiles nothing again (as
-pallas_kernels/cubin.py keeps cubin stats)."""
+config, the jax version, the model steps' compiler options and the HLO audit that reads them, so a
+run whose programs did not change compiles nothing again (as pallas_kernels/cubin.py keeps cubin
+stats)."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +18,9 @@ import time
 import jax
 import numpy as np
 
+from models import layers
 from pallas_kernels import gpu_target
+from paged_jax.worker import hlo_audit
 
 CACHE_DIR = os.environ.get("PAGED_JAX_GPU_COMPILE_CACHE",
                            os.path.join(os.path.expanduser("~"), ".cache", "paged-jax", "gpu-compile"))
@@ -34,14 +37,21 @@ class ProgramStats:
     flops: float
     bytes_accessed: float
     cached: bool = False
+    # Layer slices of the stacked weights written to memory before the matmuls read them
+    # (hlo_audit.copied_layer_slices): each one more read and write of that layer's weights.
+    copied_layer_slices: tuple = ()
 
     def roofline_seconds(self, spec: gpu_target.GpuSpec) -> float:
         """The longer of compute at the bf16 matrix peak and memory traffic at full bandwidth."""
         return max(self.flops / spec.peak_bf16_flops, self.bytes_accessed / spec.bandwidth)
 
 
-def _cache_file(lowered_text: str, gpu: str) -> str:
-    key = hashlib.sha256("\0".join([lowered_text, gpu_target.target_config_text(gpu), jax.__version__]).encode())
+def _cache_file(lowered_text: str, gpu: str, layer_slices: dict) -> str:
+    with open(hlo_audit.__file__) as f:  # what reads the optimized HLO for copied_layer_slices
+        audit = f.read()
+    key = hashlib.sha256("\0".join([lowered_text, gpu_target.target_config_text(gpu), jax.__version__,
+                                    json.dumps(layers.COMPILER_OPTIONS), json.dumps(sorted(layer_slices.items())),
+                                    audit]).encode())
     return os.path.join(CACHE_DIR, key.hexdigest()[:40] + ".json")
 
 
@@ -51,7 +61,7 @@ def compile_program(program, gpu: str, device, *, use_cache: bool = True) -> Pro
     architecture. Raises what XLA raises when the program does not compile."""
     with jax.default_device(device):
         lowered = program.fn.trace(*program.args, **program.static).lower()
-        path = _cache_file(lowered.as_text(), gpu)
+        path = _cache_file(lowered.as_text(), gpu, program.layer_slices)
         if use_cache and os.path.exists(path):
             with open(path) as f:
                 return ProgramStats(**{**json.load(f), "name": program.name, "compile_seconds": 0.0, "cached": True})
@@ -62,7 +72,9 @@ def compile_program(program, gpu: str, device, *, use_cache: bool = True) -> Pro
     stats = ProgramStats(name=program.name, compile_seconds=seconds, argument_bytes=memory.argument_size_in_bytes,
                          output_bytes=memory.output_size_in_bytes, alias_bytes=memory.alias_size_in_bytes,
                          temp_bytes=memory.temp_size_in_bytes, flops=cost.get("flops", 0.0),
-                         bytes_accessed=cost.get("bytes accessed", 0.0))
+                         bytes_accessed=cost.get("bytes accessed", 0.0),
+                         copied_layer_slices=tuple(hlo_audit.copied_layer_slices(compiled.as_text(),
+                                                                                 program.layer_slices)))
     if use_cache:
         os.makedirs(CACHE_DIR, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=CACHE_DIR, delete=False) as f:

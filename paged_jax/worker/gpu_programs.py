@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from models.checkpoint import MODEL_REGISTRY, read_config
-from paged_jax.attention import cache_layout, check_kv_cache_dtype
+from paged_jax.attention import cache_layout, check_kv_cache_dtype, resolve_backend
 from paged_jax.core.plan import Plan
 from paged_jax.core.sequence import Request, Sequence
 from paged_jax.engine import config as config_lib
@@ -44,12 +44,15 @@ class Program:
     steps: int = 0  # forwards through the model
     tokens: int = 0  # tokens each forward computes
     kv_tokens: int = 0  # cached tokens each forward's attention reads
+    # Elements of one layer's slice of each stacked weight -> its name (AbstractEngine.layer_slices):
+    # a copy of one in the compiled program is reported (gpu_compile.ProgramStats.copied_layer_slices).
+    layer_slices: dict = dataclasses.field(default_factory=dict)
 
 
 def build(model_cls, model_config, devices, *, bytes_limit: int, temp_bytes: Callable[[Program], int],
           max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None, kv_cache_dtype: str = "auto",
           block_size: int = 16, num_decode_steps: int = 8, gpu_memory_utilization: float | None = None,
-          speculative_config=None):
+          speculative_config=None, attention_backend: str = "auto"):
     """-> AbstractEngine for compile-only `devices` of one GPU kind whose jax allocator holds
     `bytes_limit` each (gpu_target.jax_bytes_limit), sized as `LLMEngine.__init__` sizes it: config_lib.resolve, with the activation peak read from the
     largest prefill step compiled for that GPU (`temp_bytes(program)`: its temp bytes; the KV pages
@@ -57,12 +60,18 @@ def build(model_cls, model_config, devices, *, bytes_limit: int, temp_bytes: Cal
     measures it). `max_model_len` None: the model's limit, cut to what the pool holds (resolve's rule
     for a GPU; on this CPU host resolve would pick its CPU default instead). `speculative_config`:
     vLLM's dict (or JSON), a draft model's "model" an HF config.json, a directory holding one or
-    a model config."""
+    a model config. `attention_backend` resolves as the engine resolves it on that GPU ("auto":
+    Mosaic GPU on Hopper for the models it takes, else Triton)."""
     mesh = Mesh(np.array(devices), (sharding.AXIS,))
     model = abstract_engine.abstract_model(model_cls, model_config, mesh)
-    backend = "pallas"  # attention_backend "auto" on a GPU
     spec, draft, draft_bytes = spec_config.SpeculativeConfig.parse(speculative_config), None, 0
-    with jax.default_device(devices[0]):  # fp8 pages are refused by name below sm_89
+    with jax.default_device(devices[0]):  # the GPU's arch: Mosaic GPU on sm_90, fp8 pages refused below sm_89
+        c = model.config
+        backend = resolve_backend(attention_backend, dtype=c.dtype, head_dim=c.head_dim, block_size=block_size,
+                                  kv_cache_dtype=kv_cache_dtype, platform="gpu")
+        if backend not in ("pallas", "pallas_mosaic"):
+            raise ValueError(f"attention_backend {attention_backend!r} resolves to {backend!r}, not a GPU "
+                             "backend: 'auto', 'pallas_triton' or 'pallas_mosaic'")
         kv_dtype = check_kv_cache_dtype(kv_cache_dtype, backend, model.config.dtype)
         if spec is not None and spec.method == "draft_model":
             draft_config = (spec.model if hasattr(spec.model, "model_type")
@@ -197,7 +206,7 @@ def _prefill(engine, label: str, plan: Plan, batch, flags_kw: dict, num_tokens: 
                    runner.prefill_step, (graphdef, params, state, _replicated(engine, batch), _replicated(engine, sp),
                                          swapped, draft_params), static,
                    steps=1, tokens=num_tokens, kv_tokens=int(batch.attn_seq_lens.sum()),
-                   values=(None, None, None, batch, sp, None, None))
+                   values=(None, None, None, batch, sp, None, None), layer_slices=engine.layer_slices())
 
 
 def verify_program(engine, num_rows: int) -> Program:
@@ -236,7 +245,7 @@ def decode_program(engine, num_rows: int, *, random=True, penalties=False) -> Pr
                    (graphdef, params, _state(engine, penalties=penalties), _replicated(engine, batch),
                     _replicated(engine, sp), draft_params), dict(static, num_steps=c.num_decode_steps),
                    steps=c.num_decode_steps, tokens=num_rows, kv_tokens=sum(lengths),
-                   values=(None, None, None, batch, sp, None))
+                   values=(None, None, None, batch, sp, None), layer_slices=engine.layer_slices())
 
 
 def pool_programs(engine) -> list[Program]:

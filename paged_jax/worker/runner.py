@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from models import layers
 from paged_jax.attention import AttentionMetadata, KVCache, copy_blocks
 from paged_jax.core.model_output import ModelOutput, PromptLogprobs
 from paged_jax.worker import draft_proposer, ngram_proposer, penalty_state, rejection_sampler, sampler, swap
@@ -115,7 +116,8 @@ def _move_back(state: DeviceState, batch: PrefillBatch) -> PrefillBatch:
                                total_len=batch.total_len - back)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "flags", "draft_graphdef"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "flags", "draft_graphdef"), donate_argnames=("state",),
+                   compiler_options=layers.COMPILER_OPTIONS)
 def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: sampler.SlotParams,
                  swapped=None, draft_params=None, *, flags: Flags, draft_graphdef=None):
     """One ragged forward over the batch's rows -> (state, ModelOutput with k = 1, or k = J when
@@ -195,7 +197,7 @@ def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: 
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "flags", "num_steps", "draft_graphdef"),
-                   donate_argnames=("state",))
+                   donate_argnames=("state",), compiler_options=layers.COMPILER_OPTIONS)
 def decode_steps(graphdef, params, state: DeviceState, batch: DecodeBatch, sp: sampler.SlotParams,
                  draft_params=None, *, flags: Flags, num_steps: int, draft_graphdef=None):
     """Up to `num_steps` decode steps of the batch's rows over the blocks their tables hold (the

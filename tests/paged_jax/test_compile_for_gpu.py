@@ -12,13 +12,14 @@ import sys
 
 import pytest
 
-from pallas_kernels import gpu_target
+from pallas_kernels import gpu_target, mosaic
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="needs pip install -e '.[gpu-compile]'")
 pytestmark = pytest.mark.timeout(1800)  # a cold cache compiles Llama-3.1-8B's programs for minutes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = os.path.join(ROOT, "tests", "data", "configs")
+MOSAIC = "pallas_mosaic" if mosaic.AVAILABLE else "pallas"  # "auto" on Hopper: Mosaic GPU from jax 0.12
 UTILIZATION = 0.9  # vLLM's gpu_memory_utilization default, of jax's allocator limit
 
 
@@ -50,14 +51,57 @@ def kv_bytes_per_block(model, block_size=16, page_bytes=2, scale_bytes=0):
     return hf["num_hidden_layers"] * 2 * hf["num_key_value_heads"] * block_size * (head_dim * page_bytes + scale_bytes)
 
 
+LAYER_LOOP = """
+import json, sys
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from models import layers
+from pallas_kernels import gpu_target
+from paged_jax.worker import hlo_audit
+device = gpu_target.compile_only_device("h100")
+placed = NamedSharding(Mesh([device], ("x",)), P())
+L, H, F = 4, 1024, 4096
+up = jax.ShapeDtypeStruct((L, H, F), jnp.bfloat16, sharding=placed)
+down = jax.ShapeDtypeStruct((L, F, H), jnp.bfloat16, sharding=placed)
+x = jax.ShapeDtypeStruct((8, H), jnp.bfloat16, sharding=placed)
+
+def mlps(x, up, down):
+    def layer(i, x):
+        u, d = (jax.lax.dynamic_index_in_dim(w, i, keepdims=False) for w in (up, down))
+        return x + jax.nn.silu(x @ u) @ d
+    return jax.lax.fori_loop(0, L, layer, x)
+
+sizes = hlo_audit.layer_slice_sizes({"up": up.shape, "down": down.shape}, L)
+found = {}
+for name, options in (("defaults", {}), ("engine", layers.COMPILER_OPTIONS)):
+    with jax.default_device(device):
+        compiled = jax.jit(mlps, compiler_options=options).trace(x, up, down).lower().compile()
+    found[name] = hlo_audit.copied_layer_slices(compiled.as_text(), sizes)
+print(json.dumps(found))
+"""
+
+
+def test_layer_loop_reads_weight_slices_in_place():
+    """With XLA's defaults, an H100 build of a layer loop copies each layer's slice of the stacked
+    weights before its Triton gemms read it (the audit finds both); with the engine's compiler
+    options, cuBLAS reads them in place under XLA's dynamic-slice fusion."""
+    done = subprocess.run([sys.executable, "-c", LAYER_LOOP], env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(found["defaults"]) == 2 and all(line.endswith("(a layer of up or down)") for line in found["defaults"])
+    assert found["engine"] == []
+
+
 def program(figures, prefix):
     return next(p for p in figures["programs"] if p["name"].startswith(prefix))
 
 
-def check_sized_as_vllm(figures, gpu, model, *, tp=1, page_bytes=2, scale_bytes=0, draft=None):
+def check_sized_as_vllm(figures, gpu, model, *, tp=1, page_bytes=2, scale_bytes=0, draft=None, copying=()):
     """The pool holds what gpu_memory_utilization leaves of jax's limit after the weights and the
     largest prefill's temps (or verification's, if larger), capped at what max_num_seqs sequences
-    of the model's whole context could use; and weights, pool and every program's temps fit.
+    of the model's whole context could use; and weights, pool and every program's temps fit; and no
+    program but those named in `copying` copies a layer's weights out of the stacked arrays.
     `draft`: a draft model whose K/V each block holds too."""
     c, hf = figures["config"], json.load(open(os.path.join(CONFIGS, model + ".json")))
     limit = int(gpu_target.gpu_spec(gpu).memory_bytes * 0.75)  # XLA_PYTHON_CLIENT_MEM_FRACTION's default
@@ -69,14 +113,21 @@ def check_sized_as_vllm(figures, gpu, model, *, tp=1, page_bytes=2, scale_bytes=
     assert c["num_blocks"] == min(useful, budget * tp // c["bytes_per_block"])
     assert c["max_model_len"] == min(hf["max_position_embeddings"], (c["num_blocks"] - 1) * c["block_size"])
     assert figures["failed"] == [] and figures["does_not_fit"] is None
+    # the layer loop reads each layer's weights where they lie (layers.COMPILER_OPTIONS)
+    assert [p["name"] for p in figures["programs"] if p["copied_layer_slices"]] == list(copying)
     temps = max(p["temp_bytes"] for p in figures["programs"])
     assert figures["weight_bytes"] + figures["kv_bytes"] + temps <= limit
 
 
-@pytest.mark.parametrize("gpu", ["h100", "a100"])
-def test_llama_3_1_8b_at_gpu_defaults_compiles_and_fits(tmp_path, gpu):
-    status, figures, err = compile_for_gpu(tmp_path, gpu, "llama-3.1-8b", "--programs", "largest")
+@pytest.mark.parametrize("gpu,flags,backend", [
+    ("h100", (), MOSAIC),  # what "auto" runs on Hopper
+    ("h100", ("--attention-backend", "pallas_triton"), "pallas"),
+    ("a100", (), "pallas"),  # no TMA barriers nor WGMMA: Triton
+])
+def test_llama_3_1_8b_at_gpu_defaults_compiles_and_fits(tmp_path, gpu, flags, backend):
+    status, figures, err = compile_for_gpu(tmp_path, gpu, "llama-3.1-8b", "--programs", "largest", *flags)
     assert status == 0, err[-3000:]
+    assert figures["config"]["attention_backend"] == backend
     assert figures["weight_bytes"] == 2 * parameter_count("llama-3.1-8b") == 16_060_522_496
     check_sized_as_vllm(figures, gpu, "llama-3.1-8b")
     c = figures["config"]
@@ -88,13 +139,18 @@ def test_llama_3_1_8b_at_gpu_defaults_compiles_and_fits(tmp_path, gpu):
     assert program(figures, "decode K=8 B=256")["name"] == "decode K=8 B=256 W=8192"  # tables 131072 tokens wide
 
 
-@pytest.mark.parametrize("gpu,model", [("h100", "smollm2-135m-instruct"), ("a100", "qwen3-0.6b"),
-                                       ("h200", "gemma-2-2b")])
-def test_other_families_compile_and_fit(tmp_path, gpu, model):
+# Gemma 2's layers run in sliding/global pairs, two layers a loop step: in its largest prefill XLA
+# fuses the pair's two slices of an MLP weight into one loop fusion that writes them (the
+# dynamic-slice fusion then cannot read them in place); 8192 tokens a step are compute-bound.
+@pytest.mark.parametrize("gpu,model,backend,copying", [
+    ("h100", "smollm2-135m-instruct", MOSAIC, ()), ("a100", "qwen3-0.6b", "pallas", ()),
+    ("h200", "gemma-2-2b", MOSAIC, ("prefill T=8192 B=256 W=512",))])  # head_dim 64, 128, 256
+def test_other_families_compile_and_fit(tmp_path, gpu, model, backend, copying):
     status, figures, err = compile_for_gpu(tmp_path, gpu, model, "--programs", "largest")
     assert status == 0, err[-3000:]
+    assert figures["config"]["attention_backend"] == backend
     assert figures["weight_bytes"] == 2 * parameter_count(model)
-    check_sized_as_vllm(figures, gpu, model)
+    check_sized_as_vllm(figures, gpu, model, copying=copying)
 
 
 @pytest.mark.parametrize("model,spec,verify", [
