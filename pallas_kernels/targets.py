@@ -63,6 +63,12 @@ def _device():
     return local.platform, local.device_kind, getattr(local, "compute_capability", None)
 
 
+def platform() -> str:
+    """-> "gpu", "tpu" or "cpu": the platform of the device being built for (as `gpu_arch` finds it)."""
+    name = _device()[0]
+    return "gpu" if name == "cuda" else name
+
+
 def gpu_arch():
     """-> the GPU target being built for ("sm_90", "sm_80", or "sm_XY" of another local GPU);
     DEFAULT_GPU when that is not a GPU."""
