@@ -48,6 +48,7 @@ VARIANTS = [
     ("decode", "float16", "float16", 128, 16, 0, 0, 8),
     ("decode", "bfloat16", "int8", 128, 32, 0, 0, 8),
     ("decode", "bfloat16", "float8_e4m3fn", 64, 32, 30.0, 4096, 4),
+    ("decode", "bfloat16", "int8", 256, 32, 0, 0, 8),  # the keys cast 128 columns at a time
     ("decode-split", "bfloat16", "bfloat16", 128, 16, 0, 0, 8),
     ("decode-split", "bfloat16", "bfloat16", 256, 16, 0, 0, 8),
     ("decode-split", "float16", "float16", 64, 128, 30.0, 4096, 4),
@@ -56,6 +57,7 @@ VARIANTS = [
     ("ragged", "float16", "float16", 64, 8, 30.0, 4096, 8),
     ("ragged", "bfloat16", "int8", 128, 32, 0, 0, 4),
     ("ragged", "bfloat16", "bfloat16", 256, 16, 50.0, 4096, 2),
+    ("ragged", "bfloat16", "float8_e4m3fn", 256, 32, 50.0, 4096, 2),
 ]
 # H100 and H200 are both sm_90a (the same code; their target configs differ in memory and clocks),
 # so H200 compiles decode at the benchmark's head_dim (128, block size 16; 32 for int8) in each

@@ -136,7 +136,10 @@ def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_re
         keys, values = k_smem.at[slot], v_smem.at[slot]
         if quantized:  # cast to q's dtype into k16/v16, zeroing V outside the span on the way
             keys, values = quantized["k16"], quantized["v16"]
-            keys[...] = _cast(plgpu.load(k_smem.at[slot], layout=wgmma_layout), keys.dtype)
+            for c in range(0, head_dim, PV_COLS):  # <= 128 columns at a time: registers for hd 256
+                span = pl.ds(c, min(PV_COLS, head_dim))
+                keys.at[:, span][...] = _cast(plgpu.load(k_smem.at[slot, :, span], layout=wgmma_layout),
+                                              keys.dtype)
             v = _cast(plgpu.load(v_smem.at[slot], layout=wgmma_layout), values.dtype)
             pos = key_positions(t, wgmma_layout, 0)
             values[...] = jnp.where((pos >= lo_min) & (pos < hi_max), v, 0.0)
@@ -178,8 +181,9 @@ def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_re
     l_b = lax.broadcast_in_dim(l, acc.shape, [0])  # rows that saw no key give zeros
     out = jnp.where(l_b > 0, acc / jnp.where(l_b > 0, l_b, 1.0), 0.0)
     # The output's staging buffer, free once the loop is done: q_smem when it is all the columns,
-    # else a V slot (a TMA copy reads contiguous shared memory: half of q_smem's columns is not).
-    stage = q_smem if cols == head_dim else v_smem.at[0]
+    # else a V slot in q's dtype (a TMA copy reads contiguous shared memory: half of q_smem's
+    # columns is not): v_smem's, or with int8/fp8 pages the cast values' (KEYS == ROWS rows).
+    stage = q_smem if cols == head_dim else quantized["v16"] if quantized else v_smem.at[0]
     stage[...] = out.astype(stage.dtype)
     if splits > 1:  # log2 of the split's softmax sum, in the loop's base-2 units; MASK_VALUE: no key
         lse_smem[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)) * LOG2E, MASK_VALUE)

@@ -44,9 +44,6 @@ def supports(dtype, head_dim: int, block_size: int, kv_dtype=None) -> str | None
         return f"pages must be 16-bit, int8 or float8_e4m3fn, got {kv_dtype}"
     if head_dim not in HEAD_DIMS:
         return f"head_dim must be one of {HEAD_DIMS}, got {head_dim}"
-    if head_dim > 128 and quantization.is_quantized(kv_dtype):
-        # the whole [64, 256] int8/fp8 key tile would be cast in one program's registers
-        return f"{kv_dtype} pages are read at head_dim <= 128, got {head_dim}"
     if block_size < MIN_BLOCK_SIZE or block_size & (block_size - 1):
         return f"block_size must be a power of two >= {MIN_BLOCK_SIZE}, got {block_size}"
     if quantization.is_quantized(kv_dtype) and block_size < MIN_QUANTIZED_BLOCK_SIZE:

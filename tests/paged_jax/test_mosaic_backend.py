@@ -26,7 +26,7 @@ def gpu(monkeypatch):
     (dict(LLAMA, dtype=jnp.float16, head_dim=64, block_size=128), MOSAIC),
     (dict(LLAMA, dtype=jnp.float32), "pallas"),  # WGMMA takes 16-bit inputs
     (dict(LLAMA, head_dim=256), MOSAIC),
-    (dict(LLAMA, head_dim=256, kv_cache_dtype="int8"), "pallas"),  # int8 at hd <= 128 only
+    (dict(LLAMA, head_dim=256, kv_cache_dtype="int8", block_size=32), MOSAIC),
     (dict(LLAMA, head_dim=96), "pallas"),
     (dict(LLAMA, block_size=4), "pallas"),  # a page is whole 8-row tiles
     # a block's scales are one 128-byte-aligned TMA copy: 32 tokens at least (sm_90 faulted at 16)
