@@ -108,8 +108,14 @@ def window_period(windows) -> int:
 # fusion reads it: each layer's weights were read, written and read again (Llama-3.1-8B on an H100:
 # 400 MiB a layer, 2.6x the weight bytes a decode step must read). cuBLAS gemms read the slice in
 # place under XLA's dynamic-slice fusion when its offset is the loop's induction variable
-# (scan_layers). The jitted model steps compile with these options; CPU and TPU ignore them.
+# (scan_layers). A 16-bit x 16-bit -> f32 product must then name its algorithm (HALF_ALGORITHMS), or
+# XLA widens the whole weight to f32 first. The jitted model steps compile with these options; CPU
+# and TPU ignore them.
 COMPILER_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_enable_triton_gemm": False}
+# A product of 16-bit operands into f32, named for XLA: without it XLA:GPU's cuBLAS path widened
+# Llama-3.1-8B's whole LM head to f32 (2 GiB) before the product. The same arithmetic either way.
+HALF_ALGORITHMS = {jnp.dtype(jnp.bfloat16): jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
+                   jnp.dtype(jnp.float16): jax.lax.DotAlgorithmPreset.F16_F16_F32}
 
 
 def scan_layers(

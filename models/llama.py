@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import COMPILER_OPTIONS, causal_attention, gated_mlp, rms_norm, scan_layers, self_attention
+from models.layers import (COMPILER_OPTIONS, HALF_ALGORITHMS, causal_attention, gated_mlp, rms_norm, scan_layers,
+                           self_attention)
 from models.llama_config import (ARCHITECTURES, PRESETS, SUPPORTED_DTYPES, LlamaConfig, hf_common_fields, preset,
                                  rope_inv_freq)
 from models.quantize import head_logits
@@ -145,9 +146,9 @@ class Llama(nnx.Module):
         if scale is not None:  # int8 (models/quantize.py)
             return head_logits(h, head[...], scale[...], tied=tied)
         spec = "...d,vd->...v" if tied else "...d,dv->...v"
-        # In the weights' dtype, then f32, as vLLM's and transformers' LM heads: a bf16 x bf16 -> f32
-        # product made XLA:GPU's cuBLAS path (layers.COMPILER_OPTIONS) widen the whole head to f32.
-        return jnp.einsum(spec, h, head[...]).astype(jnp.float32)
+        w = head[...]
+        algorithm = HALF_ALGORITHMS.get(jnp.dtype(h.dtype)) if h.dtype == w.dtype else None
+        return jnp.einsum(spec, h, w, preferred_element_type=jnp.float32, precision=algorithm)
 
     def logits(self, x):  # x [..., hidden] -> f32[..., vocab]
         with jax.named_scope("lm_head"):
