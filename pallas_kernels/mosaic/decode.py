@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import checks
 from pallas_kernels.mosaic import kernel
+from pallas_kernels.mosaic.support import check_supported
 
 # A program (one warpgroup) is resident 1-3 to an SM of an H100/H200 (132 SMs), by its head_dim's
 # registers and shared memory: about two waves of them. Untuned (no GPU was at hand); override
@@ -19,7 +20,6 @@ from pallas_kernels.mosaic import kernel
 TARGET_PROGRAMS = 512
 MIN_STEPS_PER_SPLIT = 4  # 256 keys: below this a split's fixed cost (q, the partials) outweighs its reads
 MAX_SPLITS = 16
-from pallas_kernels.mosaic.support import check_supported
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window",
