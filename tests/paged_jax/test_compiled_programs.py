@@ -161,3 +161,47 @@ def test_the_audit_sees_the_copies_it_guards_against():
     found = hlo_audit.moved_arrays(compiled, hlo_audit.guarded_sizes({"pages": pages, "weight": weight}, min_size=1))
     assert any("as large as ['pages']" in line for line in found), found
     assert any("as large as ['weight']" in line for line in found), found
+
+
+# XLA:GPU's optimized HLO, cut down to the forms `copied_layer_slices` tells apart (the whole-program
+# check on compiled GPU programs is in test_compile_for_gpu.py, which needs the CUDA plugin).
+GPU_HLO = """
+%fused_dynamic_slice (p0: bf16[4,64,256], p1: s32[]) -> (bf16[1,64,256], bf16[1,64,256]) {
+  %dynamic-slice.1 = bf16[1,64,256]{2,1,0} dynamic-slice(%p0, %p1, %c0, %c0), dynamic_slice_sizes={1,64,256}
+  %dynamic-slice.2 = bf16[1,64,256]{2,1,0} dynamic-slice(%p0, %p1, %c0, %c0), dynamic_slice_sizes={1,64,256}
+  ROOT %tuple.1 = (bf16[1,64,256]{2,1,0}, bf16[1,64,256]{2,1,0}) tuple(%dynamic-slice.1, %dynamic-slice.2)
+}
+
+%address_computation (p0: bf16[4,64,256], p1: s32[]) -> bf16[8,256] {
+  %dynamic-slice.3 = bf16[1,64,256]{2,1,0} dynamic-slice(%p0, %p1, %c0, %c0), dynamic_slice_sizes={1,64,256}
+  ROOT %custom-call.1 = bf16[8,256]{1,0} custom-call(%x, %dynamic-slice.3), custom_call_target="__cublas$gemm"
+}
+
+%fused_reduce (p0: bf16[4,64,256], p1: s32[]) -> f32[256] {
+  %dynamic-slice.4 = bf16[1,64,256]{2,1,0} dynamic-slice(%p0, %p1, %c0, %c0), dynamic_slice_sizes={1,64,256}
+  %multiply.1 = bf16[1,64,256]{2,1,0} multiply(%dynamic-slice.4, %broadcast.1)
+  ROOT %reduce.1 = f32[256]{0} reduce(%multiply.1, %c1), dimensions={0,1}, to_apply=%add
+}
+
+%body (arg: (s32[], bf16[4,64,256])) -> (s32[], bf16[4,64,256]) {
+  %dynamic-slice.5 = bf16[1,64,256]{2,1,0} dynamic-slice(%w, %i, %c0, %c0), dynamic_slice_sizes={1,64,256}
+  %loop_dynamic_slice_fusion = (bf16[1,64,256]{2,1,0}, bf16[1,64,256]{2,1,0}) fusion(%w, %i), kind=kLoop, calls=%fused_dynamic_slice
+  %dynamic_slice_fusion = bf16[8,256]{1,0} fusion(%w, %i), kind=kCustom, calls=%address_computation
+  %input_reduce_fusion = f32[256]{0} fusion(%w, %i), kind=kInput, calls=%fused_reduce
+  %dynamic-slice.6 = bf16[1,256]{1,0} dynamic-slice(%v, %i, %c0), dynamic_slice_sizes={1,256}
+  ROOT %t = (s32[], bf16[4,64,256]) tuple(%i, %w)
+}
+"""
+
+
+def test_copied_layer_slices_tells_a_copy_from_a_read_in_place():
+    """A slice is copied when it is a loop fusion's output (each element of its root tuple) or stands
+    unfused; it is read in place inside a kCustom (dynamic-slice) fusion or fused into its reader.
+    Slices of other sizes (a [1, 256] norm) are not a layer's weights."""
+    sizes = hlo_audit.layer_slice_sizes({"w_up": (4, 64, 256), "w_gate": (4, 64, 256), "norm": (4, 256)}, 4,
+                                        min_size=1)
+    assert sizes == {64 * 256: "w_up or w_gate", 256: "norm"}
+    found = hlo_audit.copied_layer_slices(GPU_HLO, {64 * 256: "w_up or w_gate"})
+    assert found == ["%dynamic-slice.1 in %fused_dynamic_slice (a layer of w_up or w_gate)",
+                     "%dynamic-slice.2 in %fused_dynamic_slice (a layer of w_up or w_gate)",
+                     "%dynamic-slice.5 in %body (a layer of w_up or w_gate)"]
