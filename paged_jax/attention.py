@@ -24,12 +24,16 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
-from pallas_kernels import mosaic, quantization, targets
+from pallas_kernels import mosaic, quantization, targets, triton_call
 from paged_jax.worker import sharding
 
 # "pallas": Pallas Triton ("pallas_triton" names it too); "pallas_mosaic": attention on Pallas
-# Mosaic GPU (Hopper), the cache writes and block copies still on Pallas Triton.
-BACKENDS = ("reference", "pallas", "pallas_mosaic", "pallas-interpret", "tpu")
+# Mosaic GPU (Hopper), the cache writes and block copies XLA's (in place, unique indices), so it
+# needs no Pallas Triton. "-interpret": the same kernels in their interpreters, on the CPU.
+BACKENDS = ("reference", "pallas", "pallas_mosaic", "pallas-interpret", "pallas_mosaic-interpret",
+            "tpu")
+TRITON_BACKENDS = ("pallas", "pallas-interpret")
+MOSAIC_BACKENDS = ("pallas_mosaic", "pallas_mosaic-interpret")
 LAYOUTS = ("paged", "tpu")
 
 
@@ -144,7 +148,7 @@ def copy_blocks(cache: KVCache, src, dst, *, backend: str = "reference") -> KVCa
     dst = jnp.where(dst >= 0, dst[None, :] + offsets, -1).reshape(-1)
     if cache.layout == "tpu":
         return dataclasses.replace(cache, kv_pages=pk.copy_blocks_tpu(cache.kv_pages, src, dst))
-    if backend in ("pallas", "pallas_mosaic", "pallas-interpret"):
+    if backend in TRITON_BACKENDS:
         k, v = pk.copy_blocks(cache.k_pages, cache.v_pages, src, dst,
                               interpret=backend == "pallas-interpret")
     else:
@@ -205,20 +209,23 @@ def _attend_local(q, k, v, cache: KVCache, layer, md: AttentionMetadata, *, back
             qsl = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
         out = pk.ragged_paged_attention_tpu(q, kv_pages, tables, md.seq_lens, qsl, **kwargs)
         return out, dataclasses.replace(cache, kv_pages=kv_pages)
-    if backend == "reference":
-        pages = pk.write_kv_reference(cache.k_pages, cache.v_pages, k, v, slots, **scales)
-    else:
-        kwargs["interpret"] = backend == "pallas-interpret"
+    if backend != "reference":
+        kwargs["interpret"] = backend.endswith("-interpret")
+    if backend in TRITON_BACKENDS:
         pages = pk.write_kv(cache.k_pages, cache.v_pages, k, v, slots, **scales,
                             interpret=kwargs["interpret"])
+    else:
+        pages = pk.write_kv_reference(cache.k_pages, cache.v_pages, k, v, slots, **scales)
     k_pages, v_pages = pages[:2]
     if scales:
         scales = dict(k_scales=pages[2], v_scales=pages[3])
     kwargs.update(scales)
-    decode, ragged = ((pk.paged_attention_reference, pk.ragged_paged_attention_reference)
-                      if backend == "reference" else (pk.paged_attention, pk.ragged_paged_attention))
-    if backend == "pallas_mosaic":
+    if backend == "reference":
+        decode, ragged = pk.paged_attention_reference, pk.ragged_paged_attention_reference
+    elif backend in MOSAIC_BACKENDS:
         decode, ragged = mosaic.paged_attention_mosaic, mosaic.ragged_paged_attention_mosaic
+    else:
+        decode, ragged = pk.paged_attention, pk.ragged_paged_attention
     if md.decode_only:
         out = decode(q, k_pages, v_pages, tables, md.seq_lens, **kwargs)
     else:
@@ -230,28 +237,34 @@ def resolve_backend(backend: str = "auto", *, dtype=None, head_dim=None, block_s
                     kv_cache_dtype="auto", platform=None) -> str:
     """`auto`: on a GPU, Pallas Mosaic GPU ("pallas_mosaic") on Hopper when this jax has it and
     the model's `dtype`, `head_dim`, `block_size` and `kv_cache_dtype` are ones it takes (the first
-    three must be given), else Pallas Triton ("pallas"); jax's TPU kernel on TPU; jnp references elsewhere.
-    "pallas_triton" is "pallas". `platform`: the one built for (default jax's default backend; a
-    deviceless GPU build passes "gpu" with its compile-only device as jax's default device)."""
+    three must be given), else Pallas Triton ("pallas"), else (a jax that dropped Pallas Triton) the
+    jnp references; jax's TPU kernel on TPU; jnp references elsewhere. "pallas_triton" is "pallas".
+    `platform`: the one built for (default jax's default backend; a deviceless GPU build passes "gpu"
+    with its compile-only device as jax's default device)."""
     if backend == "auto":
         platform = platform or jax.default_backend()
         if platform == "gpu":
-            fits = _mosaic_fits(dtype, head_dim, block_size, kv_cache_dtype)
-            return "pallas_mosaic" if fits else "pallas"
+            if mosaic_refusal(dtype, head_dim, block_size, kv_cache_dtype) is None:
+                return "pallas_mosaic"
+            return "pallas" if triton_call.AVAILABLE else "reference"
         return {"tpu": "tpu"}.get(platform, "reference")
-    if backend == "pallas_triton":
-        return "pallas"
-    if backend not in BACKENDS:
+    resolved = "pallas" if backend == "pallas_triton" else backend
+    if resolved not in BACKENDS:
         raise ValueError(f"attention_backend must be 'auto', 'pallas_triton' or one of {BACKENDS}, "
                          f"got {backend!r}")
-    if backend == "pallas_mosaic" and not mosaic.AVAILABLE:
-        raise ValueError(f"attention_backend 'pallas_mosaic': {mosaic.UNAVAILABLE}")
-    return backend
+    if resolved in MOSAIC_BACKENDS and not mosaic.AVAILABLE:
+        raise ValueError(f"attention_backend {backend!r}: {mosaic.UNAVAILABLE}")
+    if resolved in TRITON_BACKENDS and not triton_call.AVAILABLE:
+        raise ValueError(f"attention_backend {backend!r}: {triton_call.UNAVAILABLE}")
+    return resolved
 
 
-def _mosaic_fits(dtype, head_dim, block_size, kv_cache_dtype) -> bool:
+def mosaic_refusal(dtype, head_dim, block_size, kv_cache_dtype="auto") -> str | None:
+    """-> None when "auto" would run this model on Pallas Mosaic GPU, else why not."""
     # Hopper only: Ampere lacks TMA barriers and WGMMA, Blackwell refuses WGMMA (tcgen05 instead)
-    if None in (dtype, head_dim, block_size) or targets.gpu_arch() != "sm_90":
-        return False
+    if targets.gpu_arch() != "sm_90":
+        return f"Hopper (sm_90) only, this GPU is {targets.gpu_arch()}"
+    if None in (dtype, head_dim, block_size):
+        return "the model's dtype, head_dim and block_size were not given"
     kv_dtype = quantization.storage_dtype(kv_cache_dtype, dtype)
-    return mosaic.supports(dtype, head_dim, block_size, kv_dtype) is None
+    return mosaic.supports(dtype, head_dim, block_size, kv_dtype)

@@ -2,10 +2,14 @@
 
 Both kernels alias the pages in to the pages out (input_output_aliases), so when the caller donates
 the pages (as the model's jitted step does) XLA hands the kernel the cache buffer itself and only
-the written slots move. XLA's own scatter is also in place on a donated buffer, but XLA:GPU updates
-through atomics unless the indices are declared unique, and -1 entries are not; these kernels are
-plain vectorised stores, one program per (32 tokens or one block pair, KV head). The jnp
-references are the scatter versions, and the CPU path."""
+the written slots move; they are plain vectorised stores, one program per (32 tokens or one block
+pair, KV head).
+
+The jnp references are XLA scatters, also in place on a donated buffer. They are the CPU path and
+the Mosaic GPU backend's (which needs no Pallas Triton): their indices are declared unique, each
+skipped entry given its own out-of-range index (`unique_or_dropped`), because with repeated indices
+XLA:GPU turns every element's store into a compare-and-swap loop (`atom.cas` in the H100 PTX of a
+256-token bf16 write; a plain `st.global` with unique indices)."""
 from __future__ import annotations
 
 import functools
@@ -13,12 +17,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import checks
 from pallas_kernels.online_softmax import pow2_at_least, zero
 from pallas_kernels.quantization import quantize
-from pallas_kernels.triton_call import triton_call
+from pallas_kernels.triton_call import plgpu, triton_call
 
 BLOCK_TOKENS = 32  # tokens per write_kv program
 TILE_ELEMENTS = 4096  # elements per copy_blocks step: 16 KiB of f32 in flight per program
@@ -175,22 +178,29 @@ def write_kv_reference(
         k, v = (jnp.concatenate([x, jnp.zeros_like(x)]) for x in (k, v))
         slot_mapping = jnp.concatenate([slot_mapping, jnp.full((1,), -1, slot_mapping.dtype)])
     num_blocks, block_size = k_pages.shape[1:3]
-    # -1 -> an out-of-range block, which the scatter drops
-    block = jnp.where(slot_mapping >= 0, slot_mapping // block_size, num_blocks)
-    offset = slot_mapping % block_size
+    slot = unique_or_dropped(slot_mapping, num_blocks * block_size)
+    block, offset = slot // block_size, slot % block_size  # a skipped slot: a block past the end
+    scatter = dict(mode="drop", unique_indices=True)
     if k_scales is None:
-        k_pages = k_pages.at[:, block, offset].set(k.swapaxes(0, 1).astype(k_pages.dtype),
-                                                   mode="drop")
-        v_pages = v_pages.at[:, block, offset].set(v.swapaxes(0, 1).astype(v_pages.dtype),
-                                                   mode="drop")
+        k_pages = k_pages.at[:, block, offset].set(k.swapaxes(0, 1).astype(k_pages.dtype), **scatter)
+        v_pages = v_pages.at[:, block, offset].set(v.swapaxes(0, 1).astype(v_pages.dtype), **scatter)
         return k_pages, v_pages
     out = []
     for pages, scales, x in ((k_pages, k_scales, k), (v_pages, v_scales, v)):
         qx, scale = quantize(x.swapaxes(0, 1), pages.dtype)
-        out.append((pages.at[:, block, offset].set(qx, mode="drop"),
-                    scales.at[:, block, offset].set(scale, mode="drop")))
+        out.append((pages.at[:, block, offset].set(qx, **scatter),
+                    scales.at[:, block, offset].set(scale, **scatter)))
     (k_pages, k_scales), (v_pages, v_scales) = out
     return k_pages, v_pages, k_scales, v_scales
+
+
+def unique_or_dropped(index, size: int):
+    """-> `index` (i32[n]) with each entry outside [0, size) (-1: skip) moved to its own index
+    `size + i`: a scatter with mode="drop" skips them, and valid entries that are unique (a slot
+    mapping's, a copy's destinations) stay so, as `unique_indices=True` needs."""
+    index = jnp.asarray(index, jnp.int32)
+    spare = size + jnp.arange(index.shape[0], dtype=jnp.int32)
+    return jnp.where((index >= 0) & (index < size), index, spare)
 
 
 def copy_blocks_reference(
@@ -200,8 +210,8 @@ def copy_blocks_reference(
     dst,  # i32[n]; -1 = skip
 ):
     num_blocks = k_pages.shape[1]
-    ok = (src >= 0) & (dst >= 0)
+    ok = (src >= 0) & (src < num_blocks) & (dst >= 0) & (dst < num_blocks)
     src = jnp.where(ok, src, 0)
-    dst = jnp.where(ok, dst, num_blocks)  # out of range: dropped
-    return (k_pages.at[:, dst].set(k_pages[:, src], mode="drop"),
-            v_pages.at[:, dst].set(v_pages[:, src], mode="drop"))
+    dst = unique_or_dropped(jnp.where(ok, dst, -1), num_blocks)
+    return tuple(pages.at[:, dst].set(pages[:, src], mode="drop", unique_indices=True)
+                 for pages in (k_pages, v_pages))

@@ -15,7 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.triton_call import plgpu
 
 # Finite, so a row that has seen only masked keys rescales by exp2(MASK - MASK) = 1, not by
 # exp2(-inf - -inf) = NaN.

@@ -13,13 +13,12 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import checks, targets
 from pallas_kernels.online_softmax import (MASK_VALUE, attend_tiles, normalize, pow2_at_least,
                                            tile_ranges)
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
-from pallas_kernels.triton_call import triton_call
+from pallas_kernels.triton_call import plgpu, triton_call
 
 # Decode is a stream of K/V reads: enough programs to keep several per SM of an H100/H200 (132
 # SMs) reading. Untuned (no GPU was at hand); override with num_splits.

@@ -18,13 +18,12 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import checks, targets
 from pallas_kernels.online_softmax import (MASK_VALUE, attend_tiles, normalize, pow2_at_least,
                                            tile_ranges)
 from pallas_kernels.quantization import dequantize
-from pallas_kernels.triton_call import triton_call
+from pallas_kernels.triton_call import plgpu, triton_call
 
 # arch -> (bytes per KV element, head_dim padded to a power of two >= 64) -> (block_m query rows,
 # block_n keys per tile, num_warps, num_stages). Every row compiles without spills for each group

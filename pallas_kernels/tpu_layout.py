@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels import checks, targets
+from pallas_kernels.kv_cache import unique_or_dropped
 from pallas_kernels.ragged_paged_attention import token_spans
 
 # TPU target -> (num_kv_pages_per_block, num_queries_per_block) for jax's kernel, read from its
@@ -66,9 +67,9 @@ def write_kv_tpu(
     num_slots = num_blocks * block_size
     k, v = _pad_last(k, head_dim), _pad_last(v, head_dim)
     kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], combined, head_dim)  # K, V per head
-    slots = jnp.where((slot_mapping >= 0) & (slot_mapping < num_slots), slot_mapping, num_slots)
+    slots = unique_or_dropped(slot_mapping, num_slots)
     flat = kv_pages.reshape(num_slots, combined, head_dim)  # merges major dims: no copy
-    flat = flat.at[slots].set(kv.astype(kv_pages.dtype), mode="drop")
+    flat = flat.at[slots].set(kv.astype(kv_pages.dtype), mode="drop", unique_indices=True)
     return flat.reshape(kv_pages.shape)
 
 
@@ -78,9 +79,9 @@ def copy_blocks_tpu(
     dst,  # i32[n]; -1 = skip
 ):
     num_blocks = kv_pages.shape[0]
-    ok = (src >= 0) & (dst >= 0)
-    return kv_pages.at[jnp.where(ok, dst, num_blocks)].set(kv_pages[jnp.where(ok, src, 0)],
-                                                           mode="drop")
+    ok = (src >= 0) & (src < num_blocks) & (dst >= 0) & (dst < num_blocks)
+    dst = unique_or_dropped(jnp.where(ok, dst, -1), num_blocks)
+    return kv_pages.at[dst].set(kv_pages[jnp.where(ok, src, 0)], mode="drop", unique_indices=True)
 
 
 def ragged_paged_attention_tpu(

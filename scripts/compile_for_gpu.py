@@ -61,7 +61,8 @@ def table(engine, done, spec):
               f"{s.alias_bytes / GiB:9.2f} {s.temp_bytes / 2**20:8.1f} {s.flops / 1e9:8.1f} "
               f"{s.bytes_accessed / 1e9:8.2f} {s.roofline_seconds(spec) * 1e3:8.2f} {model}")
     print("* XLA's HloCostAnalysis of the compiled program: a loop body counted once, a Pallas kernel and a "
-          "cuBLAS call as no flops, and their whole operands as bytes")
+          "cuBLAS call as no flops, and their whole operands as bytes (a scatter's too: the KV pool, for XLA's "
+          "cache writes and swap-ins)")
     for program, s in done:
         if s.copied_layer_slices:
             print(f"{s.name}: copies layer slices of the stacked weights before reading them: "

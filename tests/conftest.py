@@ -3,6 +3,10 @@ import gc
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ.get("PAGED_JAX_WITHOUT_TRITON"):
+    from tests import without_triton
+
+    without_triton.hide()
 
 import jax  # noqa: E402  (after the platform is chosen)
 import pytest  # noqa: E402
@@ -20,12 +24,17 @@ def _release_compiled_programs():
 
 
 def pytest_collection_modifyitems(config, items):
-    if jax.default_backend() == "gpu":
-        return
-    skip = pytest.mark.skip(reason="needs a GPU (jax default backend is %s)" % jax.default_backend())
+    from pallas_kernels import triton_call
+
+    skips = {}
+    if jax.default_backend() != "gpu":
+        skips["gpu"] = pytest.mark.skip(reason="needs a GPU (jax default backend is %s)" % jax.default_backend())
+    if not triton_call.AVAILABLE:
+        skips["triton"] = pytest.mark.skip(reason=f"needs Pallas Triton: {triton_call.UNAVAILABLE}")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for mark, skip in skips.items():
+            if mark in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture

@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import sys
 
 import jax.numpy as jnp
 
 from models import quantize
+from pallas_kernels import targets, triton_call
 from paged_jax import attention
 from paged_jax.engine import config as config_lib
 from paged_jax.engine import spec_config
@@ -44,7 +46,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = _arg(0, int, "chunk prompts longer than this (0: max_num_batched_tokens)")
     enable_prefix_caching: bool = _arg(True, None, "share the KV blocks of common prompt prefixes")
     attention_backend: str = _arg("auto", str, "auto, reference, pallas (Triton), pallas_mosaic, "
-                                               "pallas-interpret or tpu")
+                                               "pallas-interpret, pallas_mosaic-interpret or tpu")
     seed: int = _arg(0, int, "seeds requests that carry no seed of their own")
     dtype: str | None = _arg(None, str, "the weights' dtype when loading a checkpoint (default: the "
                                         "checkpoint's)")
@@ -147,6 +149,10 @@ class EngineArgs:
                              f"{jnp.dtype(c.dtype).name}: build the model object in the dtype you want")
         backend = attention.resolve_backend(self.attention_backend, dtype=c.dtype, head_dim=c.head_dim,
                                             block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype)
+        if backend == "reference" and self.attention_backend == "auto" and targets.platform() == "gpu":
+            refusal = attention.mosaic_refusal(c.dtype, c.head_dim, self.block_size, self.kv_cache_dtype)
+            print(f"paged-jax: no Pallas kernel takes this model on this GPU, so attention runs the jnp "
+                  f"reference (Mosaic GPU: {refusal}; {triton_call.UNAVAILABLE})", file=sys.stderr, flush=True)
         kv_dtype = attention.check_kv_cache_dtype(self.kv_cache_dtype, backend, c.dtype)
         draft_bytes = 0 if draft_model is None else self.draft_bytes_per_block(c, draft_model.config, backend)
         speculating = spec_config.engine_fields(self.speculative_config)

@@ -61,7 +61,7 @@ def build(model_cls, model_config, devices, *, bytes_limit: int, temp_bytes: Cal
     for a GPU; on this CPU host resolve would pick its CPU default instead). `speculative_config`:
     vLLM's dict (or JSON), a draft model's "model" an HF config.json, a directory holding one or
     a model config. `attention_backend` resolves as the engine resolves it on that GPU ("auto":
-    Mosaic GPU on Hopper for the models it takes, else Triton)."""
+    Mosaic GPU on Hopper for the models it takes, else Triton, else the jnp reference)."""
     mesh = Mesh(np.array(devices), (sharding.AXIS,))
     model = abstract_engine.abstract_model(model_cls, model_config, mesh)
     spec, draft, draft_bytes = spec_config.SpeculativeConfig.parse(speculative_config), None, 0
@@ -69,7 +69,8 @@ def build(model_cls, model_config, devices, *, bytes_limit: int, temp_bytes: Cal
         c = model.config
         backend = resolve_backend(attention_backend, dtype=c.dtype, head_dim=c.head_dim, block_size=block_size,
                                   kv_cache_dtype=kv_cache_dtype, platform="gpu")
-        if backend not in ("pallas", "pallas_mosaic"):
+        # "reference": what "auto" runs on a GPU that no Pallas kernel takes (a jax without Triton)
+        if backend not in ("pallas", "pallas_mosaic") and (attention_backend, backend) != ("auto", "reference"):
             raise ValueError(f"attention_backend {attention_backend!r} resolves to {backend!r}, not a GPU "
                              "backend: 'auto', 'pallas_triton' or 'pallas_mosaic'")
         kv_dtype = check_kv_cache_dtype(kv_cache_dtype, backend, model.config.dtype)

@@ -170,6 +170,7 @@ def test_bad_tensor_parallel_sizes_are_refused():
         sharding.make_mesh(16)
 
 
+@pytest.mark.triton
 def test_cuda_export_finds_the_triton_kernels_under_shard_map():
     """Lowered for two H100s that this machine does not have: an abstract mesh names the GPU (jax >=
     0.11 reads it there), and the inputs are shapes sharded over it as the engine shards them."""

@@ -86,6 +86,7 @@ def test_greedy_tokens_match_transformers(save_hf, family):
         assert one.stats()["peak_blocks_used"] == 4
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("family", ["mistral_window", "gemma2"])
 def test_pallas_interpret_greedy_tokens_match_transformers(save_hf, family):
     """The Pallas kernels (run on CPU): prefill in chunks of 8 and decode, past the window."""

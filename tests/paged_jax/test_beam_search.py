@@ -119,6 +119,7 @@ def test_with_a_temperature_a_beams_sampled_token_joins_its_candidates():
     assert_pool_drained(llm)
 
 
+@pytest.mark.triton
 def test_pallas_kernels_in_interpret_mode_search_the_same_beams():
     """The forks' block copies and the attention through our Pallas kernels (interpret mode)."""
     params = BeamSearchParams(beam_width=WIDTH, max_tokens=6)

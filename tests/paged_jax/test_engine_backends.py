@@ -4,8 +4,10 @@ copy kernel) and a chunked prefill mixed with decode rows in the batch."""
 import contextlib
 
 import jax
+import jax.numpy as jnp
 import pytest
 
+from pallas_kernels import mosaic
 from paged_jax import LLM, SamplingParams
 from tests.models.model_testing import random_model, tiny_config
 
@@ -21,11 +23,22 @@ def tokens(backend, config, **kwargs):
     return [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, PARAMS)]
 
 
+@pytest.mark.triton
 def test_pallas_interpret_matches_the_reference_backend():
     config = tiny_config(head_dim=64)
     assert tokens("pallas-interpret", config, num_decode_steps=3) == tokens("reference", config, num_decode_steps=3)
 
 
+@pytest.mark.skipif(not mosaic.AVAILABLE, reason=str(mosaic.UNAVAILABLE))
+def test_pallas_mosaic_interpret_matches_the_reference_backend():
+    """Hopper's path, in the Mosaic GPU interpreter: its kernels (bf16 WGMMA inputs), with the
+    cache writes and the fork's block copy on XLA (no Pallas Triton)."""
+    config = tiny_config(head_dim=64, dtype=jnp.bfloat16)
+    assert (tokens("pallas_mosaic-interpret", config, num_decode_steps=3)
+            == tokens("reference", config, num_decode_steps=3))
+
+
+@pytest.mark.triton
 @pytest.mark.gpu
 def test_gpu_pallas_matches_the_cpu_reference():
     # f32: greedy tokens compare exactly only where rounding cannot flip a near tie.

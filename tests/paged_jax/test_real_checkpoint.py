@@ -25,6 +25,7 @@ def test_greedy_from_bos_is_the_published_story(reference):
     assert reference.text.startswith(PUBLISHED)
 
 
+@pytest.mark.triton
 def test_pallas_kernels_in_interpret_mode_tell_the_same_story(reference):
     llm = LLM(str(MODEL), attention_backend="pallas-interpret", log_stats=False)
     params = SamplingParams(temperature=0.0, max_tokens=40)

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pallas_kernels import triton_call
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -13,4 +15,6 @@ def test_tensor_parallel_suite_in_its_own_process():
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/distributed"],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "skipped" not in result.stdout.splitlines()[-1], result.stdout[-2000:]
+    # nothing skips; on a jax without Pallas Triton, its one test there (the export of its kernels)
+    summary = result.stdout.splitlines()[-1]
+    assert ("skipped" not in summary) if triton_call.AVAILABLE else (" 1 skipped" in summary), result.stdout[-2000:]

@@ -27,6 +27,7 @@ SHAPES = [  # group, head_dim, block_size, dtype
 ]
 
 
+@pytest.mark.triton
 class DecodeCases:
     INTERPRET = False
 
@@ -109,6 +110,7 @@ def ragged_mix(block_size):
     return seq_lens, q_lens
 
 
+@pytest.mark.triton
 class RaggedCases:
     INTERPRET = False
 

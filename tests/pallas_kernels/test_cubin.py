@@ -17,7 +17,7 @@ from pallas_kernels.ragged_paged_attention import ragged_tiles
 
 # The module fixture compiles every build (about 8 minutes on a loaded 2-core machine when the stats
 # are not cached yet); that setup counts against its first test's limit.
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = [pytest.mark.timeout(1800), pytest.mark.triton]
 
 BUILDS = gpu_variants.engine_builds()
 NAMES = {

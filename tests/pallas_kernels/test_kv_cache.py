@@ -1,10 +1,12 @@
 """write_kv and copy_blocks kernels against their scatter references, exactly, compiled on a GPU
-(marked `gpu`) and in interpret mode on CPU."""
+(marked `gpu`) and in interpret mode on CPU; the scatter references (the CPU's and Mosaic GPU's
+writes) against numpy."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels import copy_blocks, copy_blocks_reference, write_kv, write_kv_reference
+from pallas_kernels.kv_cache import unique_or_dropped
 
 
 def make_pages(seed, num_kv_heads, num_blocks, block_size, head_dim, dtype):
@@ -20,6 +22,41 @@ def assert_same(got, expected):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(e, np.float32))
 
 
+def test_skipped_entries_get_indices_of_their_own():
+    got = unique_or_dropped(jnp.array([3, -1, 7, -1, 8, 12, -5, 0], jnp.int32), 8)
+    np.testing.assert_array_equal(np.asarray(got), [3, 9, 7, 11, 12, 13, 14, 0])
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 9])
+def test_scatter_write_puts_each_token_at_its_slot(num_tokens):
+    """Against a numpy loop: repeated -1s, a slot past the pool and a negative one are skipped
+    (all unique to the scatter once moved past the end); one token is a scatter too."""
+    k_pages, v_pages, rng = make_pages(3, 2, 6, 4, 16, jnp.bfloat16)
+    slots = rng.permutation(24)[:num_tokens].astype(np.int32)
+    if num_tokens == 9:
+        slots[[1, 4]] = -1
+        slots[[6, 7]] = 24, -3
+    k, v = (jnp.asarray(rng.standard_normal((num_tokens, 2, 16)), jnp.float32) for _ in range(2))
+    got = write_kv_reference(k_pages, v_pages, k, v, jnp.asarray(slots))
+    for pages, new, out in zip((k_pages, v_pages), (k, v), got):
+        expected = np.asarray(pages, np.float32).copy()
+        for token, slot in enumerate(slots):
+            if 0 <= slot < 24:
+                expected[:, slot // 4, slot % 4] = np.asarray(new[token].astype(jnp.bfloat16), np.float32)
+        np.testing.assert_array_equal(np.asarray(out, np.float32), expected)
+
+
+def test_scatter_copy_skips_pairs_out_of_range():
+    k_pages, v_pages, _ = make_pages(4, 2, 6, 4, 16, jnp.float32)
+    src, dst = jnp.array([1, -1, 2, 9, 3], jnp.int32), jnp.array([4, 5, -1, 0, 5], jnp.int32)
+    got = copy_blocks_reference(k_pages, v_pages, src, dst)
+    for pages, out in zip((k_pages, v_pages), got):
+        expected = np.asarray(pages).copy()
+        expected[:, 4], expected[:, 5] = expected[:, 1], expected[:, 3]
+        np.testing.assert_array_equal(np.asarray(out), expected)
+
+
+@pytest.mark.triton
 class KVCacheCases:
     INTERPRET = False
 

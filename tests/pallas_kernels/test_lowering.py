@@ -12,6 +12,7 @@ from pallas_kernels import (copy_blocks, paged_attention, ragged_paged_attention
                             triton_ir, write_kv)
 
 ARCHS = pytest.mark.parametrize("arch", targets.GPU_TARGETS)
+pytestmark = pytest.mark.triton
 
 
 def triton_calls(module):

@@ -49,6 +49,7 @@ def error_bound(batch, dtype):
     return bound
 
 
+@pytest.mark.triton
 class QuantizedCases:
     INTERPRET = False
 

@@ -9,12 +9,14 @@ import sys
 import warnings
 
 import jax
+import pytest
 
 from pallas_kernels import mosaic
 
 SCRIPT = pathlib.Path(__file__).parents[2] / "scripts" / "benchmark_kernel.py"
 
 
+@pytest.mark.triton
 def test_smoke_run_writes_agreeing_rows(tmp_path, monkeypatch, capsys):
     spec = importlib.util.spec_from_file_location("benchmark_kernel", SCRIPT)
     script = importlib.util.module_from_spec(spec)
