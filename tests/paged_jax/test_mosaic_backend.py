@@ -89,3 +89,20 @@ def test_mosaic_refusal_says_why(gpu):
     assert mosaic_refusal(None, 128, 16) == "the model's dtype, head_dim and block_size were not given"
     gpu[0] = "sm_80"
     assert mosaic_refusal(**LLAMA) == "Hopper (sm_90) only, this GPU is sm_80"
+
+
+def test_the_engine_says_why_it_runs_the_reference_on_a_gpu(gpu, no_triton, monkeypatch, capsys):
+    from paged_jax.engine.arg_utils import EngineArgs
+    from tests.models.model_testing import random_model, tiny_config
+
+    monkeypatch.setattr(targets, "platform", lambda: "gpu")
+    gpu[0] = "sm_80"
+    model = random_model(tiny_config(head_dim=64, dtype=jnp.bfloat16))
+    config = EngineArgs(num_blocks=8, block_size=16).create_engine_config(model)
+    assert config.attention_backend == "reference"
+    assert ("attention runs the jnp reference (Mosaic GPU: Hopper (sm_90) only, this GPU is sm_80; "
+            "jax 9.9 has no Pallas Triton (gone))") in capsys.readouterr().err
+    gpu[0] = "sm_90"  # Hopper: Mosaic GPU where this jax has it, and then nothing to say
+    config = EngineArgs(num_blocks=8, block_size=16).create_engine_config(model)
+    assert config.attention_backend == ("pallas_mosaic" if mosaic.AVAILABLE else "reference")
+    assert ("attention runs the jnp reference" in capsys.readouterr().err) != mosaic.AVAILABLE
