@@ -89,20 +89,35 @@ def part(line: str, vocab: int) -> str:
 
 def profile(call, hlo: str, vocab: int, calls: int = 5) -> dict[str, float]:
     """Seconds per call of each part, from the XLA ops of a profiler trace of `calls` calls."""
-    lines = {m[1]: m[0] for m in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = .*$", hlo, re.M)}
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(calls):
                 call()
         path = glob.glob(os.path.join(trace_dir, "**", "*.json.gz"), recursive=True)[0]
         events = json.load(gzip.open(path))["traceEvents"]
+    return op_seconds(events, hlo, vocab, calls)
+
+
+def op_seconds(events, hlo: str, vocab: int, calls: int) -> dict[str, float]:
+    """Seconds per call of each part, from trace `events` of `calls` executions of the program
+    whose compiled HLO text is `hlo`."""
+    lines = {m[1]: m[0] for m in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = .*$", hlo, re.M)}
+    runs = collections.defaultdict(list)  # run_id -> the XLA ops of one execution of a decode call
+    for e in events:
+        args = e.get("args", {})
+        if e.get("ph") == "X" and args.get("hlo_module") == "jit_decode_steps":
+            runs[args.get("run_id")].append(e)
     seconds: dict[str, float] = collections.Counter()
-    for e in events:  # this program's ops only: another program running meanwhile names its ops alike
-        ours = e.get("ph") == "X" and e.get("args", {}).get("hlo_module") == "jit_decode_steps"
-        line = lines.get(e.get("name")) if ours else None
-        opcode = re.search(r"\} ([\w\-]+)\(", line) if line else None
-        if line and not (opcode and opcode[1] in CONTAINERS):
-            seconds[part(line, vocab)] += e["dur"] * 1e-6 / calls
+    for run in runs.values():
+        # This program's executions only: another engine's decode_steps running meanwhile in this
+        # process (a test's leftover thread) has the same module name and ops named alike, not all.
+        if not all(e.get("name") in lines for e in run):
+            continue
+        for e in run:
+            line = lines[e["name"]]
+            opcode = re.search(r"\} ([\w\-]+)\(", line)
+            if not (opcode and opcode[1] in CONTAINERS):
+                seconds[part(line, vocab)] += e["dur"] * 1e-6 / calls
     return seconds
 
 
