@@ -36,7 +36,8 @@ THREADS = 128  # one warpgroup per program
 # fp8 pages at block_size 32, the least they take (support.MIN_QUANTIZED_BLOCK_SIZE). Both
 # wrappers launch the same kernel (the group is a constant in its row arithmetic), so ragged needs
 # fewer rows. Split-k adds code (the step share, the log2 sums' store): the benchmark's shape, the
-# column halves, both options, and int8 pages (the most registers).
+# column halves, both options, and int8 pages (the most registers). f32 (f16 halves: the most
+# registers and shared memory) at both head_dims it takes, in each kernel.
 VARIANTS = [
     ("decode", "bfloat16", "bfloat16", 256, 16, 0, 0, 8),
     ("decode", "float16", "float16", 256, 8, 50.0, 4096, 2),  # Gemma-2's shape
@@ -49,15 +50,21 @@ VARIANTS = [
     ("decode", "bfloat16", "int8", 128, 32, 0, 0, 8),
     ("decode", "bfloat16", "float8_e4m3fn", 64, 32, 30.0, 4096, 4),
     ("decode", "bfloat16", "int8", 256, 32, 0, 0, 8),  # the keys cast 128 columns at a time
+    ("decode", "float32", "float32", 64, 8, 30.0, 4096, 4),
+    ("decode", "float32", "float32", 128, 16, 0, 0, 8),
+    ("decode", "float32", "float32", 128, 8, 30.0, 4096, 8),
     ("decode-split", "bfloat16", "bfloat16", 128, 16, 0, 0, 8),
     ("decode-split", "bfloat16", "bfloat16", 256, 16, 0, 0, 8),
     ("decode-split", "float16", "float16", 64, 128, 30.0, 4096, 4),
     ("decode-split", "bfloat16", "int8", 128, 32, 0, 0, 8),
+    ("decode-split", "float32", "float32", 128, 16, 30.0, 4096, 8),
     ("ragged", "bfloat16", "bfloat16", 128, 16, 0, 0, 4),
     ("ragged", "float16", "float16", 64, 8, 30.0, 4096, 8),
     ("ragged", "bfloat16", "int8", 128, 32, 0, 0, 4),
     ("ragged", "bfloat16", "bfloat16", 256, 16, 50.0, 4096, 2),
     ("ragged", "bfloat16", "float8_e4m3fn", 256, 32, 50.0, 4096, 2),
+    ("ragged", "float32", "float32", 128, 16, 30.0, 4096, 4),
+    ("ragged", "float32", "float32", 64, 8, 0, 0, 8),
 ]
 # H100 and H200 are both sm_90a (the same code; their target configs differ in memory and clocks),
 # so H200 compiles decode at the benchmark's head_dim (128, block size 16; 32 for int8) in each
@@ -81,20 +88,6 @@ class KernelStats:
         return min(REGISTERS_PER_SM // regs, (228 * 1024) // (self.shared + 1024))
 
 
-def shared_bytes(head_dim: int, itemsize: int, quantized_itemsize: int | None = None,
-                 split: bool = False) -> int:
-    """The kernel's scratch: q [64, hd], K [2, 64, hd], V [2, 64, cols] (cols: the program's
-    output columns), p [64, 64]; with quantized pages K and V in their dtype, their cast copies
-    [64, hd] and [64, cols] and f32 scales [2, 64] each; split-k, the f32 log2 sums [64]."""
-    from pallas_kernels.mosaic.kernel import KEYS, PV_COLS, ROWS
-    cols = min(head_dim, PV_COLS)
-    rows, kv, barriers = ROWS * head_dim + ROWS * KEYS, 2 * KEYS * (head_dim + cols), 3 * 8
-    extra = barriers + (4 * ROWS if split else 0)
-    if quantized_itemsize is None:
-        return itemsize * (rows + kv) + extra
-    return itemsize * (rows + kv // 2) + quantized_itemsize * kv + 4 * 4 * KEYS + extra
-
-
 def _one(gpu, kind, dtype, kv_dtype, head_dim, block_size, soft_cap, window, group):
     """In the subprocess: compile one variant deviceless and read ptxas's report."""
     dump = tempfile.mkdtemp()
@@ -105,6 +98,7 @@ def _one(gpu, kind, dtype, kv_dtype, head_dim, block_size, soft_cap, window, gro
 
     from pallas_kernels import gpu_target
     from pallas_kernels import mosaic
+    from pallas_kernels.mosaic import scratch
     device = gpu_target.compile_only_device(gpu)
     sharding = NamedSharding(Mesh([device], ("x",)), P())
     num_seqs, kv_heads, num_blocks, max_blocks = (1 if kind == "decode-split" else 64), 8, 4096, 64
@@ -141,16 +135,15 @@ def _one(gpu, kind, dtype, kv_dtype, head_dim, block_size, soft_cap, window, gro
         raise RuntimeError(f"no ptxas report in {dump}: {report!r}")
     stack, stores, loads = map(int, spills.groups())
     return KernelStats(int(used.group(1)), stores, loads, stack,
-                       shared_bytes(head_dim, jnp.dtype(dtype).itemsize,
-                                    jnp.dtype(kv_dtype).itemsize if quantized else None,
-                                    split=kind == "decode-split"))
+                       scratch.nbytes(scratch.scratch(dtype, kv_dtype, head_dim, block_size,
+                                                      4 if kind == "decode-split" else 1)))
 
 
 def _cache_file(gpu, variant):
     import jax
     here = os.path.dirname(__file__)
     sources = [open(os.path.join(here, name)).read() for name in ("kernel.py", "decode.py",
-                                                                  "ragged.py")]
+                                                                  "ragged.py", "scratch.py")]
     key = json.dumps([sources, gpu, list(variant), jax.__version__])
     return os.path.join(cubin.CACHE_DIR, "mosaic-" + hashlib.sha256(key.encode()).hexdigest()[:40]
                         + ".json")

@@ -2,7 +2,7 @@
 per (sequence, KV head): its G query heads are padded to the kernel's 64 rows in XLA (decode reads
 keys, not queries: the padding costs 64 / G times a tiny q). Split-k (FlashDecoding, as the Triton
 kernel does): when the (sequence, KV head) programs cannot fill the GPU, each sequence's key steps
-are shared out over num_splits programs and XLA merges their partials (kernel.combine)."""
+are shared out over num_splits programs and XLA merges their partials (combine)."""
 from __future__ import annotations
 
 import functools
@@ -37,8 +37,24 @@ def _paged_attention_mosaic(q, k_pages, v_pages, block_tables, seq_lens, k_scale
         (lens > 0).astype(jnp.int32), k_scales, v_scales, group=group, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window, interpret=interpret, splits=num_splits)
     if num_splits > 1:
-        out = kernel.combine(*out, num_splits)
+        out = combine(*out, num_splits)
     return out[:, :, :group].reshape(q.shape)
+
+
+def combine(out, lse, splits: int):
+    """Merge split-k partials (XLA, f32): out [num_tiles * splits, num_kv_heads, ROWS, head_dim]
+    (each split's output over its own keys), lse f32[num_tiles * splits, num_kv_heads, ROWS] (log2
+    of its softmax sum; kernel.MASK_VALUE where it saw no key) -> [num_tiles, num_kv_heads, ROWS,
+    head_dim] in out's dtype, zeros where no split saw a key."""
+    dtype = out.dtype
+    out = out.reshape((-1, splits) + out.shape[1:]).astype(jnp.float32)
+    lse = lse.reshape((-1, splits) + lse.shape[1:])
+    seen = lse > kernel.MASK_VALUE / 2
+    top = jnp.max(jnp.where(seen, lse, kernel.MASK_VALUE), axis=1, keepdims=True)
+    weight = jnp.where(seen, jnp.exp2(lse - top), 0.0)  # [num_tiles, splits, num_kv_heads, ROWS]
+    total = weight.sum(axis=1)
+    merged = (weight[..., None] * out).sum(axis=1) / jnp.where(total > 0, total, 1.0)[..., None]
+    return merged.astype(dtype)
 
 
 def default_splits(num_seqs, num_kv_heads, head_dim, max_len, sliding_window=None) -> int:
@@ -54,7 +70,7 @@ def default_splits(num_seqs, num_kv_heads, head_dim, max_len, sliding_window=Non
 
 
 def paged_attention_mosaic(
-    q,  # [num_seqs, num_heads, head_dim], one query token per sequence; bf16 or f16
+    q,  # [num_seqs, num_heads, head_dim], one query token per sequence; bf16, f16 or f32
     k_pages,  # [num_kv_heads, num_blocks, block_size, head_dim]: q's dtype, or int8/fp8
     v_pages,  # [num_kv_heads, num_blocks, block_size, head_dim]
     block_tables,  # i32[num_seqs, max_blocks_per_seq]
@@ -69,10 +85,10 @@ def paged_attention_mosaic(
     num_splits=None,  # split-k programs per (sequence, KV head); default: default_splits
 ):
     """paged_attention's contract (decode over keys [0, seq_len), or the last `sliding_window` of
-    them) on Mosaic GPU. Takes what `support.supports` accepts (bf16/f16, head_dim 64, 128 or
-    256, power-of-two block_size >= 8; pages of q's dtype, or int8/fp8 ones with their scales, which
-    are cast to q's dtype in shared memory and scaled as quantization.py says), else raises
-    ValueError saying why."""
+    them) on Mosaic GPU. Takes what `support.supports` accepts (bf16/f16 at head_dim 64, 128 or
+    256, f32 at 64 or 128 (as f16 halves, kernel.py), power-of-two block_size >= 8; pages of q's
+    dtype, or with 16-bit q int8/fp8 ones with their scales, which are cast to q's dtype in shared
+    memory and scaled as quantization.py says), else raises ValueError saying why."""
     _, _, head_dim = checks.check_attention(q, k_pages, v_pages, block_tables, seq_lens,
                                             k_scales=k_scales, v_scales=v_scales,
                                             interpret=bool(interpret))

@@ -14,7 +14,15 @@ is written there: the Mosaic GPU interpreter cannot take a register operand), an
 in base 2 (FlashAttention-2) runs in registers. Row r sees keys [lo_r, hi_r): causal, within the
 window. Steps cut by the union of the rows' spans zero the V rows outside it in shared memory
 first: those slots may hold anything, NaN included, and 0 * NaN would poison p.v. A row that sees
-no key (padding, seq_len 0) writes zeros."""
+no key (padding, seq_len 0) writes zeros.
+
+f32 (q, pages and output): WGMMA has no f32 inputs (its tf32 keeps 10 of f32's 23 mantissa bits),
+so each f32 operand goes in as two f16 halves, x = hi + lo with hi = f16(x), lo = f16(x - hi): 22
+bits, and a.b = hi.hi + hi.lo + lo.hi (lo.lo lies below 2^-22 of it), three WGMMAs into one f32
+accumulator. q is split in XLA, K and V in shared memory a step at a time (one pair of f16
+buffers, K's halves then V's), p in registers after scaling by P_SCALE (so that lo of a small
+probability keeps its bits: f16's normal range starts at 2^-14). f16 bounds the range: q, K and V
+must lie within +-65504, as in an f16 model."""
 from __future__ import annotations
 
 import functools
@@ -26,15 +34,20 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-ROWS = 64  # a warpgroup's WGMMA tile
-KEYS = 64  # key positions per step: the N of q.k^T and the K of p.v
-# A program keeps at most 128 output columns: at head_dim 256 one [64, 256] f32 accumulator and
-# the step's p.v took all 255 registers and spilled 360 bytes (H100). There a third grid axis
-# splits the columns in two: each program computes the same q.k^T and softmax (reads K whole) and
-# the p.v of its half (reads that half of V), so K is read twice (the second time likely from L2).
-PV_COLS = 128
+from pallas_kernels.mosaic.scratch import KEYS, PV_COLS, ROWS, scratch
+
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: see online_softmax.MASK_VALUE
 LOG2E = math.log2(math.e)
+P_SCALE = 2.0**10  # f32: p in [0, 1] is split as p * P_SCALE (a power of two: exact both ways)
+# f32 pages are split 64 columns at a time: a whole [64, 128] f32 step in registers next to the
+# accumulator spilled (H100, split-k with a soft cap: 255 registers and 16 bytes of spill stores).
+HALVES_COLS = 64
+
+
+def split_f16(x):
+    """f32 x -> (hi, lo), f16 halves with hi + lo == x to 22 bits (within f16's range)."""
+    hi = x.astype(jnp.float16)
+    return hi, (x - hi.astype(jnp.float32)).astype(jnp.float16)
 
 
 def _cast(x, dtype):
@@ -46,20 +59,23 @@ def _cast(x, dtype):
 
 def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
             q_smem, k_smem, v_smem, p_smem, q_barrier, kv_barriers, group, sm_scale, soft_cap,
-            sliding_window, splits, quantized=None, lse_smem=None):
+            sliding_window, splits, quantized=None, halves=None, lse_smem=None):
     # tile_seq_ref: i32[num_tiles], the block-table row; tile_pos_ref: i32[num_tiles], the position
     # of the tile's first token in its sequence; tile_tokens_ref: i32[num_tiles], its live tokens
     # (0..ROWS // group) (GMEM)
     # tables_ref: i32[num_seqs, max_blocks_per_seq] (GMEM)
-    # q_ref, o_ref: [num_tiles, num_kv_heads, ROWS, head_dim] (GMEM)
+    # q_ref: [num_tiles, num_kv_heads, parts, ROWS, head_dim], o_ref: [num_tiles, num_kv_heads,
+    # ROWS, head_dim] (GMEM)
     # k_ref, v_ref: [num_kv_heads, num_blocks, block_size, head_dim] (GMEM)
     # refs: (k_scale_ref, v_scale_ref f32[num_kv_heads, num_blocks, block_size] with int8/fp8
     # pages,) o_ref (, lse_ref f32[num_tiles * splits, num_kv_heads, ROWS] when splits > 1: o_ref
     # then holds each split's output normalized by its own sum, lse_smem [ROWS] stages the log2 sum)
-    # q_smem: [ROWS, head_dim]; k_smem: [2, KEYS, head_dim], v_smem: [2, KEYS, cols] (two slots,
-    # the pages' dtype; cols: this program's output columns); p_smem: [ROWS, KEYS]; kv_barriers:
-    # one per slot, an arrival per copy. quantized: dict(k16=[KEYS, head_dim], v16=[KEYS, cols]
-    # in q's dtype (the cast pages WGMMA reads), ks=, vs= f32[2, KEYS] (the step's scales))
+    # q_smem: [parts, ROWS, head_dim]; k_smem: [2, KEYS, head_dim], v_smem: [2, KEYS, cols] (two
+    # slots, the pages' dtype; cols: this program's output columns); p_smem: [parts, ROWS, KEYS];
+    # parts: 2 with f32 (the f16 halves hi, lo), else 1; kv_barriers: one per slot, an arrival per
+    # copy. quantized: dict(k16=[KEYS, head_dim], v16=[KEYS, cols] in q's dtype (the cast pages
+    # WGMMA reads), ks=, vs= f32[2, KEYS] (the step's scales)). halves: f16[2, KEYS, head_dim]
+    # with f32 pages, the step's K and then V as hi, lo (f32 has head_dim == cols)
     if splits > 1:
         *refs, o_ref, lse_ref = refs
     else:
@@ -101,7 +117,8 @@ def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_re
                     plgpu.copy_gmem_to_smem(scale_ref.at[head, block, src],
                                             scale_smem.at[slot, dst], kv_barriers.at[slot])
 
-    plgpu.copy_gmem_to_smem(q_ref.at[tile, head], q_smem, q_barrier)
+    for part in range(q_smem.shape[0]):  # a copy each: q_smem whole is 6 strided dims at hd 128
+        plgpu.copy_gmem_to_smem(q_ref.at[tile, head, part], q_smem.at[part], q_barrier)
     pl.when(end > first)(lambda: fetch(first, 0))
     plgpu.barrier_wait(q_barrier)
 
@@ -115,17 +132,29 @@ def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_re
     hi = jnp.where((token < tokens) & (row_pos >= 0), jnp.minimum(row_pos + 1, capacity), 0)
     lo = 0 if sliding_window is None else jnp.maximum(hi - sliding_window, 0)
 
-    def qk(keys, acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, keys.T)
+    def dot(a, b, acc_ref):  # a, b: (ref,), or f32's halves (hi, lo): hi.hi + hi.lo + lo.hi
+        if len(b) == 2:  # the small terms first: they round into a smaller sum
+            plgpu.wgmma(acc_ref, a[0], b[1])
+            plgpu.wgmma(acc_ref, a[1], b[0])
+        plgpu.wgmma(acc_ref, a[0], b[0])
         return acc_ref[...]
 
-    def pv(values, acc_ref):
-        plgpu.wgmma(acc_ref, p_smem, values)
-        return acc_ref[...]
+    q_parts, p_parts = ([ref.at[i] for i in range(ref.shape[0])] for ref in (q_smem, p_smem))
 
-    def key_positions(t, layout, dim):  # i32 iota of the step's key positions along `dim`
-        return t * KEYS + plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS) if dim == 1 else
-                                                 (KEYS, cols), dim, layout=layout)
+    def key_positions(t, shape, dim):  # i32 iota of step t's key positions along `dim`
+        return t * KEYS + plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma_layout)
+
+    def span_values(t, v):  # v [KEYS, n] with the rows outside [lo_min, hi_max) zeroed
+        pos = key_positions(t, v.shape, 0)
+        return jnp.where((pos >= lo_min) & (pos < hi_max), v, 0.0)
+
+    def stage_halves(pages, t=None):  # f32 pages [KEYS, head_dim] -> f16 halves in `halves`
+        for c in range(0, head_dim, HALVES_COLS):  # (with t: the rows outside step t's span zero)
+            span = pl.ds(c, HALVES_COLS)
+            x = plgpu.load(pages.at[:, span], layout=wgmma_layout)
+            for part, h in enumerate(split_f16(x if t is None else span_values(t, x))):
+                halves.at[part, :, span][...] = h
+        plgpu.commit_smem()
 
     def step(i, carry):
         acc, m, l = carry  # f32[ROWS, cols], f32[ROWS], f32[ROWS]
@@ -133,27 +162,29 @@ def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_re
         pl.when(t + 1 < end)(lambda: fetch(t + 1, 1 - slot))
         plgpu.barrier_wait(kv_barriers.at[slot])
 
-        keys, values = k_smem.at[slot], v_smem.at[slot]
-        if quantized:  # cast to q's dtype into k16/v16, zeroing V outside the span on the way
-            keys, values = quantized["k16"], quantized["v16"]
+        keys, values = [k_smem.at[slot]], [v_smem.at[slot]]
+        if halves is not None:  # K's halves now; V's after q.k^T has read them
+            keys = values = [halves.at[0], halves.at[1]]
+            stage_halves(k_smem.at[slot])
+        elif quantized:  # cast to q's dtype into k16/v16, zeroing V outside the span on the way
+            k16, v16 = quantized["k16"], quantized["v16"]
+            keys, values = [k16], [v16]
             for c in range(0, head_dim, PV_COLS):  # <= 128 columns at a time: registers for hd 256
                 span = pl.ds(c, min(PV_COLS, head_dim))
-                keys.at[:, span][...] = _cast(plgpu.load(k_smem.at[slot, :, span], layout=wgmma_layout),
-                                              keys.dtype)
-            v = _cast(plgpu.load(v_smem.at[slot], layout=wgmma_layout), values.dtype)
-            pos = key_positions(t, wgmma_layout, 0)
-            values[...] = jnp.where((pos >= lo_min) & (pos < hi_max), v, 0.0)
+                k16.at[:, span][...] = _cast(plgpu.load(k_smem.at[slot, :, span], layout=wgmma_layout),
+                                             k16.dtype)
+            v16[...] = span_values(t, _cast(plgpu.load(v_smem.at[slot], layout=wgmma_layout),
+                                            v16.dtype))
             plgpu.commit_smem()
         else:
             @pl.when((t * KEYS < lo_min) | ((t + 1) * KEYS > hi_max))
             def _():
-                v = plgpu.load(v_smem.at[slot], layout=wgmma_layout)
-                pos = key_positions(t, wgmma_layout, 0)
-                v_smem.at[slot][...] = jnp.where((pos >= lo_min) & (pos < hi_max), v, 0.0)
+                v_smem.at[slot][...] = span_values(t, plgpu.load(v_smem.at[slot], layout=wgmma_layout))
                 plgpu.commit_smem()
 
-        s = pl.run_scoped(functools.partial(qk, keys), plgpu.ACC((ROWS, KEYS), jnp.float32))
-        pos = key_positions(t, wgmma_layout, 1)
+        s = pl.run_scoped(functools.partial(dot, q_parts, [k.T for k in keys]),
+                          plgpu.ACC((ROWS, KEYS), jnp.float32))
+        pos = key_positions(t, (ROWS, KEYS), 1)
         if quantized:  # the logits times the keys' scales; scales outside the span may be NaN
             span = (pos >= lo_min) & (pos < hi_max)
             ks = plgpu.load(quantized["ks"].at[slot], layout=wgmma_layout.reduce(0))
@@ -171,19 +202,27 @@ def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_re
         if quantized:  # the probabilities times the values' scales, before p.v
             vs = plgpu.load(quantized["vs"].at[slot], layout=wgmma_layout.reduce(0))
             p = p * jnp.where(span, lax.broadcast_in_dim(vs, p.shape, [1]), 0.0)
-        p_smem[...] = p.astype(p_smem.dtype)
-        plgpu.commit_smem()
-        acc = (acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-               + pl.run_scoped(functools.partial(pv, values), plgpu.ACC((ROWS, cols), jnp.float32)))
+        if halves is not None:
+            for ref, h in zip(p_parts, split_f16(p * P_SCALE)):
+                ref[...] = h
+            stage_halves(v_smem.at[slot], t)
+        else:
+            p_parts[0][...] = p.astype(p_smem.dtype)
+            plgpu.commit_smem()
+        pv = pl.run_scoped(functools.partial(dot, p_parts, values), plgpu.ACC((ROWS, cols), jnp.float32))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + (
+            pv if halves is None else pv * (1 / P_SCALE))
         return acc, m_new, l
 
     acc, m, l = lax.fori_loop(0, end - first, step, (acc, m, l))
     l_b = lax.broadcast_in_dim(l, acc.shape, [0])  # rows that saw no key give zeros
     out = jnp.where(l_b > 0, acc / jnp.where(l_b > 0, l_b, 1.0), 0.0)
-    # The output's staging buffer, free once the loop is done: q_smem when it is all the columns,
-    # else a V slot in q's dtype (a TMA copy reads contiguous shared memory: half of q_smem's
-    # columns is not): v_smem's, or with int8/fp8 pages the cast values' (KEYS == ROWS rows).
-    stage = q_smem if cols == head_dim else quantized["v16"] if quantized else v_smem.at[0]
+    # The output's staging buffer, free once the loop is done: with f32, a K slot (f32, KEYS ==
+    # ROWS rows); else q_smem when it is all the columns, else a V slot in q's dtype (a TMA copy
+    # reads contiguous shared memory: half of q_smem's columns is not): v_smem's, or with int8/fp8
+    # pages the cast values'.
+    stage = (k_smem.at[0] if halves is not None else q_smem.at[0] if cols == head_dim
+             else quantized["v16"] if quantized else v_smem.at[0])
     stage[...] = out.astype(stage.dtype)
     if splits > 1:  # log2 of the split's softmax sum, in the loop's base-2 units; MASK_VALUE: no key
         lse_smem[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)) * LOG2E, MASK_VALUE)
@@ -193,14 +232,6 @@ def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_re
         pl.when(lax.axis_index("half") == 0)(
             lambda: plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[index, head]))
     plgpu.wait_smem_to_gmem(0)
-
-
-def _smem_tiles(dtype, head_dim):
-    """Swizzled tiles of 8 rows x one swizzle span (128 bytes, or the whole row when shorter): the
-    layout WGMMA and the TMA read without bank conflicts."""
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = min(128, head_dim * itemsize)
-    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
 def attention(
@@ -220,63 +251,37 @@ def attention(
     sliding_window: int | None,
     interpret: bool,
     splits: int = 1,
-):  # -> [num_tiles, num_kv_heads, ROWS, head_dim]; with splits > 1 (out, lse) per split, see combine
+):  # -> [num_tiles, num_kv_heads, ROWS, head_dim]; splits > 1: (out, lse), see decode.combine
     """Launch the kernel: grid (num_tiles * splits, num_kv_heads, head_dim // cols). `splits` > 1
     (split-k, FlashDecoding): each tile's key steps are shared out over `splits` programs, each
-    writing its output normalized by its own softmax sum and that sum's log2 (`combine` merges
-    them), so few long sequences still fill the GPU."""
+    writing its output normalized by its own softmax sum and that sum's log2 (XLA merges
+    them: decode.combine), so few long sequences still fill the GPU."""
     _, _, _, head_dim = q_rows.shape
     block_size = k_pages.shape[2]
     dtype, kv_dtype = q_rows.dtype, k_pages.dtype
-    copies = KEYS // min(block_size, KEYS)
     cols = min(head_dim, PV_COLS)
-    smem = dict(
-        q_smem=plgpu.SMEM((ROWS, head_dim), dtype, transforms=_smem_tiles(dtype, head_dim)),
-        k_smem=plgpu.SMEM((2, KEYS, head_dim), kv_dtype, transforms=_smem_tiles(kv_dtype, head_dim)),
-        v_smem=plgpu.SMEM((2, KEYS, cols), kv_dtype, transforms=_smem_tiles(kv_dtype, cols)),
-        p_smem=plgpu.SMEM((ROWS, KEYS), dtype, transforms=_smem_tiles(dtype, KEYS)),
-        q_barrier=plgpu.Barrier(num_barriers=1),
-        **({"lse_smem": plgpu.SMEM((ROWS,), jnp.float32)} if splits > 1 else {}),
-        kv_barriers=plgpu.Barrier(num_arrivals=(4 if k_scales is not None else 2) * copies,
-                                  num_barriers=2))
+    f32 = dtype == jnp.float32
+    # q_rows -> [num_tiles, num_kv_heads, parts, ROWS, head_dim]: f32's halves, else one part
+    q_rows = jnp.stack(split_f16(q_rows), axis=2) if f32 else q_rows[:, :, None]
     inputs = [tile_seq, tile_pos, tile_tokens, block_tables.astype(jnp.int32), q_rows, k_pages,
               v_pages]
-    quantized = k_scales is not None
-    if quantized:
+    if k_scales is not None:
         inputs += [k_scales, v_scales]
-        smem["quantized"] = dict(
-            k16=plgpu.SMEM((KEYS, head_dim), dtype, transforms=_smem_tiles(dtype, head_dim)),
-            v16=plgpu.SMEM((KEYS, cols), dtype, transforms=_smem_tiles(dtype, cols)), ks=plgpu.SMEM((2, KEYS), jnp.float32),
-                                 vs=plgpu.SMEM((2, KEYS), jnp.float32))
     kernel = functools.partial(_kernel, group=group, sm_scale=sm_scale, soft_cap=soft_cap,
                                sliding_window=sliding_window, splits=splits)
     num_tiles, num_kv_heads = tile_seq.shape[0], k_pages.shape[0]
-    out_type = jax.ShapeDtypeStruct((num_tiles * splits,) + q_rows.shape[1:], dtype)
+    out_type = jax.ShapeDtypeStruct((num_tiles * splits, num_kv_heads, ROWS, head_dim), dtype)
     if splits > 1:
         out_type = (out_type, jax.ShapeDtypeStruct((num_tiles * splits, num_kv_heads, ROWS), jnp.float32))
     return plgpu.kernel(
         kernel,
         out_type=out_type,
-        scratch_types=smem,
+        scratch_types=scratch(dtype, kv_dtype, head_dim, block_size, splits),
         grid=(num_tiles * splits, num_kv_heads, head_dim // cols),
         grid_names=("tile", "head", "half"),
         kernel_name="paged_attention_mosaic",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # approximate exp2 and tanh: 2^-11 relative error for tanh, below 16-bit inputs' but not f32's
+        compiler_params=plgpu.CompilerParams(approx_math=not f32),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(*inputs)
 
-
-def combine(out, lse, splits: int):
-    """Merge split-k partials (XLA, f32): out [num_tiles * splits, num_kv_heads, ROWS, head_dim]
-    (each split's output over its own keys), lse f32[num_tiles * splits, num_kv_heads, ROWS] (log2
-    of its softmax sum; MASK_VALUE where it saw no key) -> [num_tiles, num_kv_heads, ROWS,
-    head_dim] in out's dtype, zeros where no split saw a key."""
-    dtype = out.dtype
-    out = out.reshape((-1, splits) + out.shape[1:]).astype(jnp.float32)
-    lse = lse.reshape((-1, splits) + lse.shape[1:])
-    seen = lse > MASK_VALUE / 2
-    top = jnp.max(jnp.where(seen, lse, MASK_VALUE), axis=1, keepdims=True)
-    weight = jnp.where(seen, jnp.exp2(lse - top), 0.0)  # [num_tiles, splits, num_kv_heads, ROWS]
-    total = weight.sum(axis=1)
-    merged = (weight[..., None] * out).sum(axis=1) / jnp.where(total > 0, total, 1.0)[..., None]
-    return merged.astype(dtype)

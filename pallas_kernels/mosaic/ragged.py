@@ -66,7 +66,7 @@ def _ragged_paged_attention_mosaic(q, k_pages, v_pages, block_tables, seq_lens, 
 
 
 def ragged_paged_attention_mosaic(
-    q,  # [num_tokens, num_heads, head_dim]; bf16 or f16
+    q,  # [num_tokens, num_heads, head_dim]; bf16, f16 or f32
     k_pages,  # [num_kv_heads, num_blocks, block_size, head_dim]: q's dtype, or int8/fp8
     v_pages,  # [num_kv_heads, num_blocks, block_size, head_dim]
     block_tables,  # i32[num_seqs, max_blocks_per_seq]

@@ -24,7 +24,11 @@ def _unavailable() -> str | None:
 UNAVAILABLE = _unavailable()
 AVAILABLE = UNAVAILABLE is None
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # WGMMA's 16-bit inputs
-HEAD_DIMS = (64, 128, 256)  # 256: two programs per (tile, KV head), see kernel.PV_COLS
+F32 = jnp.dtype(jnp.float32)  # as two f16 halves each (kernel.py), with f32 pages
+HEAD_DIMS = (64, 128, 256)  # 256: two programs per (tile, KV head), see scratch.PV_COLS
+# f32 at head_dim 256 would take 304 KB of shared memory (f32 K [2, 64, 256] and V [2, 64, 128]
+# slots, the f16 halves of q [64, 256], of a step's K and of p) against an SM's 227 KB.
+F32_HEAD_DIMS = (64, 128)
 MIN_BLOCK_SIZE = 8  # a TMA copy of a page is whole 8-row tiles of its swizzled shared-memory layout
 # With int8/fp8 pages each block's f32 scales are one TMA copy into shared memory, and a TMA copy's
 # shared-memory address must be 128-byte aligned: 32 scales. At block_size 16 every other copy
@@ -38,9 +42,16 @@ def supports(dtype, head_dim: int, block_size: int, kv_dtype=None) -> str | None
     if UNAVAILABLE:
         return UNAVAILABLE
     kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
-    if jnp.dtype(dtype) not in DTYPES:
-        return f"queries must be bfloat16 or float16 (WGMMA's 16-bit inputs), got {jnp.dtype(dtype)}"
-    if kv_dtype not in DTYPES + tuple(quantization.QMAX):
+    dtype = jnp.dtype(dtype)
+    if dtype == F32:
+        if kv_dtype != F32:
+            return f"float32 queries need float32 pages (their f16 halves), got {kv_dtype}"
+        if head_dim not in F32_HEAD_DIMS:
+            return (f"float32 takes head_dim {F32_HEAD_DIMS[0]} or {F32_HEAD_DIMS[1]} (shared "
+                    f"memory), got {head_dim}")
+    elif dtype not in DTYPES:
+        return f"queries must be bfloat16, float16 or float32, got {dtype}"
+    elif kv_dtype not in DTYPES + tuple(quantization.QMAX):
         return f"pages must be 16-bit, int8 or float8_e4m3fn, got {kv_dtype}"
     if head_dim not in HEAD_DIMS:
         return f"head_dim must be one of {HEAD_DIMS}, got {head_dim}"

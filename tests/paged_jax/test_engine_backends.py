@@ -30,10 +30,11 @@ def test_pallas_interpret_matches_the_reference_backend():
 
 
 @pytest.mark.skipif(not mosaic.AVAILABLE, reason=str(mosaic.UNAVAILABLE))
-def test_pallas_mosaic_interpret_matches_the_reference_backend():
-    """Hopper's path, in the Mosaic GPU interpreter: its kernels (bf16 WGMMA inputs), with the
-    cache writes and the fork's block copy on XLA (no Pallas Triton)."""
-    config = tiny_config(head_dim=64, dtype=jnp.bfloat16)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_pallas_mosaic_interpret_matches_the_reference_backend(dtype):
+    """Hopper's path, in the Mosaic GPU interpreter: its kernels (bf16 WGMMA inputs, f32 as f16
+    halves), with the cache writes and the fork's block copy on XLA (no Pallas Triton)."""
+    config = tiny_config(head_dim=64, dtype=dtype)
     assert (tokens("pallas_mosaic-interpret", config, num_decode_steps=3)
             == tokens("reference", config, num_decode_steps=3))
 

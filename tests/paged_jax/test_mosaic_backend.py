@@ -25,7 +25,9 @@ def gpu(monkeypatch):
 @pytest.mark.parametrize("model,expected", [
     (LLAMA, MOSAIC),
     (dict(LLAMA, dtype=jnp.float16, head_dim=64, block_size=128), MOSAIC),
-    (dict(LLAMA, dtype=jnp.float32), TRITON),  # WGMMA takes 16-bit inputs
+    (dict(LLAMA, dtype=jnp.float32), MOSAIC),  # as f16 halves
+    (dict(LLAMA, dtype=jnp.float32, head_dim=256), TRITON),  # f32 at hd 256: shared memory
+    (dict(LLAMA, dtype=jnp.float32, kv_cache_dtype="int8", block_size=32), TRITON),
     (dict(LLAMA, head_dim=256), MOSAIC),
     (dict(LLAMA, head_dim=256, kv_cache_dtype="int8", block_size=32), MOSAIC),
     (dict(LLAMA, head_dim=96), TRITON),
@@ -75,7 +77,7 @@ def no_triton(monkeypatch):
 
 def test_auto_without_triton_is_mosaic_on_hopper_else_the_reference(gpu, no_triton):
     assert resolve_backend("auto", **LLAMA) == ("pallas_mosaic" if mosaic.AVAILABLE else "reference")
-    assert resolve_backend("auto", **dict(LLAMA, dtype=jnp.float32)) == "reference"
+    assert resolve_backend("auto", **dict(LLAMA, dtype=jnp.float32, head_dim=256)) == "reference"
     gpu[0] = "sm_80"
     assert resolve_backend("auto", **LLAMA) == "reference"
     for name in ("pallas_triton", "pallas", "pallas-interpret"):
@@ -84,8 +86,9 @@ def test_auto_without_triton_is_mosaic_on_hopper_else_the_reference(gpu, no_trit
 
 
 def test_mosaic_refusal_says_why(gpu):
-    f32 = mosaic_refusal(**dict(LLAMA, dtype=jnp.float32))
-    assert f32.startswith("queries must be bfloat16 or float16") if mosaic.AVAILABLE else f32 == mosaic.UNAVAILABLE
+    f32 = mosaic_refusal(**dict(LLAMA, dtype=jnp.float32, head_dim=256))
+    assert f32 == ("float32 takes head_dim 64 or 128 (shared memory), got 256" if mosaic.AVAILABLE
+                   else mosaic.UNAVAILABLE)
     assert mosaic_refusal(None, 128, 16) == "the model's dtype, head_dim and block_size were not given"
     gpu[0] = "sm_80"
     assert mosaic_refusal(**LLAMA) == "Hopper (sm_90) only, this GPU is sm_80"

@@ -20,6 +20,8 @@ CASES = [  # group, head_dim, block_size, dtype
     (8, 64, 32, F16),
     (8, 128, 128, BF16),
     (2, 256, 16, BF16),  # two programs, each half of the output columns
+    (4, 64, 8, F32),  # f32 as f16 halves: f32's tolerance
+    (8, 128, 16, F32),
 ]
 
 
@@ -59,13 +61,16 @@ class DecodeCases:
         (16, 4, 64, {}),  # 5 steps over 16 programs: 11 see no key and must weigh nothing
         (3, 8, 128, dict(sliding_window=100, soft_cap=5.0)),  # shares cut inside the window
         (2, 2, 256, {}),  # with the column halves
+        (3, 4, 128, dict(sliding_window=100, soft_cap=5.0, dtype=F32)),
     ])
     def test_split_k_matches_dense_float64(self, splits, group, head_dim, opts):
         """Split-k: each sequence's key steps shared over `splits` programs whose partials XLA
         merges; a long sequence, a one-key one and a padding row (zeros); unseen pages NaN."""
         lens = [300, 1, 129, 0]
+        opts = dict(opts)
+        dtype = opts.pop("dtype", BF16)
         batch = poison_unseen(make_batch(4, lens, [1] * len(lens), group=group, head_dim=head_dim,
-                                         block_size=16, dtype=BF16), opts.get("sliding_window"))
+                                         block_size=16, dtype=dtype), opts.get("sliding_window"))
         out = self.check(batch, num_splits=splits, **opts)
         assert not np.asarray(out[-1]).any()
 
@@ -98,6 +103,7 @@ RAGGED_CASES = [  # group, head_dim, block_size, dtype
     (4, 128, 16, F16),
     (8, 64, 128, BF16),  # 8 tokens a tile: a 24-token prompt takes three
     (2, 256, 16, F16),
+    (4, 128, 16, F32),
 ]
 
 
@@ -204,7 +210,7 @@ class TestQuantizedInterpret(QuantizedCases):
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(q=F32), "bfloat16 or float16"),
+    (dict(q=F32, head_dim=256), r"float32 takes head_dim 64 or 128 \(shared memory\), got 256"),
     (dict(head_dim=96), "head_dim must be one of"),
     (dict(block_size=4), "block_size must be a power of two"),
 ])
@@ -214,6 +220,14 @@ def test_rejects_what_it_does_not_take(change, message):
                        block_size=change.get("block_size", 8), dtype=dtype)
     with pytest.raises(ValueError, match=message):
         mosaic.paged_attention_mosaic(*(batch[n] for n in NAMES), interpret=True)
+
+
+def test_f32_pages_go_with_f32_queries_only():
+    """What the generic checks let through (f32 queries with int8/fp8 pages) and the engine asks."""
+    assert (mosaic.supports(F32, 128, 32, jnp.int8)
+            == "float32 queries need float32 pages (their f16 halves), got int8")
+    assert mosaic.supports(BF16, 128, 16, F32) == "pages must be 16-bit, int8 or float8_e4m3fn, got float32"
+    assert mosaic.supports(F32, 64, 8) is None
 
 
 @pytest.mark.parametrize("splits", [0, 2.0, True])
