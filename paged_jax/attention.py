@@ -34,6 +34,10 @@ BACKENDS = ("reference", "pallas", "pallas_mosaic", "pallas-interpret", "pallas_
             "tpu")
 TRITON_BACKENDS = ("pallas", "pallas-interpret")
 MOSAIC_BACKENDS = ("pallas_mosaic", "pallas_mosaic-interpret")
+# Where "auto" prefers Mosaic GPU to Pallas Triton: the archs its kernels have run on (an H200,
+# scripts/gpu_check.sh). Blackwell's (tcgen05) is compiled and interpreter-tested only: there
+# "auto" takes it once Pallas Triton is gone.
+MOSAIC_FIRST = ("sm_90",)
 LAYOUTS = ("paged", "tpu")
 
 
@@ -237,14 +241,16 @@ def resolve_backend(backend: str = "auto", *, dtype=None, head_dim=None, block_s
                     kv_cache_dtype="auto", platform=None) -> str:
     """`auto`: on a GPU, Pallas Mosaic GPU ("pallas_mosaic") on Hopper when this jax has it and
     the model's `dtype`, `head_dim`, `block_size` and `kv_cache_dtype` are ones it takes (the first
-    three must be given), else Pallas Triton ("pallas"), else (a jax that dropped Pallas Triton) the
-    jnp references; jax's TPU kernel on TPU; jnp references elsewhere. "pallas_triton" is "pallas".
+    three must be given), else Pallas Triton ("pallas"), else (a jax that dropped Pallas Triton)
+    Mosaic GPU on Blackwell where it takes the model, else the jnp references; jax's TPU kernel on
+    TPU; jnp references elsewhere. "pallas_triton" is "pallas".
     `platform`: the one built for (default jax's default backend; a deviceless GPU build passes "gpu"
     with its compile-only device as jax's default device)."""
     if backend == "auto":
         platform = platform or jax.default_backend()
         if platform == "gpu":
-            if mosaic_refusal(dtype, head_dim, block_size, kv_cache_dtype) is None:
+            mosaic_takes_it = mosaic_refusal(dtype, head_dim, block_size, kv_cache_dtype) is None
+            if mosaic_takes_it and (targets.gpu_arch() in MOSAIC_FIRST or not triton_call.AVAILABLE):
                 return "pallas_mosaic"
             return "pallas" if triton_call.AVAILABLE else "reference"
         return {"tpu": "tpu"}.get(platform, "reference")
@@ -260,11 +266,12 @@ def resolve_backend(backend: str = "auto", *, dtype=None, head_dim=None, block_s
 
 
 def mosaic_refusal(dtype, head_dim, block_size, kv_cache_dtype="auto") -> str | None:
-    """-> None when "auto" would run this model on Pallas Mosaic GPU, else why not."""
-    # Hopper only: Ampere lacks TMA barriers and WGMMA, Blackwell refuses WGMMA (tcgen05 instead)
-    if targets.gpu_arch() != "sm_90":
-        return f"Hopper (sm_90) only, this GPU is {targets.gpu_arch()}"
+    """-> None when the Pallas Mosaic GPU kernels take this model on this GPU, else why not."""
+    # Hopper (WGMMA) and Blackwell (tcgen05); Ampere lacks TMA barriers and both
+    arch = targets.gpu_arch()
+    if arch not in mosaic.ARCHS:
+        return f"Hopper (sm_90) and Blackwell (sm_100) only, this GPU is {arch}"
     if None in (dtype, head_dim, block_size):
         return "the model's dtype, head_dim and block_size were not given"
     kv_dtype = quantization.storage_dtype(kv_cache_dtype, dtype)
-    return mosaic.supports(dtype, head_dim, block_size, kv_dtype)
+    return mosaic.supports(dtype, head_dim, block_size, kv_dtype, arch)

@@ -49,11 +49,9 @@ def contiguous(pages, tables):  # -> [batch, context, num_kv_heads, head_dim]
 
 
 def mosaic_status(gpu, head_dim, block_size):
-    """-> None when the Mosaic GPU kernel runs here at these sizes (bf16; on CPU in its
-    interpreter), else why not."""
-    if gpu and targets.gpu_arch() != "sm_90":
-        return f"needs Hopper (sm_90), this GPU is {targets.gpu_arch()}"
-    return mosaic.supports(jnp.bfloat16, head_dim, block_size)
+    """-> None when the Mosaic GPU kernel runs here at these sizes (bf16; Hopper's or Blackwell's,
+    on CPU Hopper's in its interpreter), else why not."""
+    return mosaic.supports(jnp.bfloat16, head_dim, block_size, arch=targets.gpu_arch())
 
 
 def methods(gpu, jax_paged_attention, with_mosaic):

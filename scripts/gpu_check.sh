@@ -6,7 +6,7 @@
 #      dense attention over contiguous K/V (also written as JSON); at batch 64, then one sequence of
 #      Llama-3.1-8B's heads at 8k and 32k context (where both our kernels split each sequence's keys)
 #   3. the engine end to end on the embedded model: the Pallas backends (Triton, and Mosaic GPU
-#      where this jax has it, on Hopper) against the reference backend, greedy tokens compared
+#      where this jax has it, on Hopper or Blackwell) against the reference backend, greedy tokens compared
 #      and tok/s of each
 #   4. the engine's programs for Llama-3.1-8B at GPU defaults, each timed beside its roofline
 #      estimate (scripts/time_gpu_programs.py; the estimates are what compile_for_gpu.py prints)
@@ -69,8 +69,8 @@ PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__
            'if __name__ == "__main__":\n']
 params = SamplingParams(temperature=0.0, max_tokens=64, logprobs=5)
 outputs = {}
-hopper = mosaic.AVAILABLE and targets.gpu_arch() == "sm_90"
-pallas = ["pallas"] + (["pallas_mosaic"] if hopper else [])
+on_mosaic = mosaic.AVAILABLE and targets.gpu_arch() in mosaic.ARCHS  # Hopper, Blackwell
+pallas = ["pallas"] + (["pallas_mosaic"] if on_mosaic else [])
 for backend in (*pallas, "reference"):
     llm = LLM("models/embedded", attention_backend=backend, log_stats=False)
     llm.generate(PROMPTS, params)  # compiles

@@ -26,7 +26,8 @@ import tempfile
 
 from pallas_kernels import cubin
 
-GPUS = ("h100", "h200")
+GPUS = ("h100", "h200", "b200")
+ARCH = {"h100": "sm_90", "h200": "sm_90", "b200": "sm_100"}
 SHARED_LIMIT = 227 * 1024  # sm_90's largest shared memory per block
 REGISTERS_PER_SM = 65536
 THREADS = 128  # one warpgroup per program
@@ -70,7 +71,8 @@ VARIANTS = [
 # so H200 compiles decode at the benchmark's head_dim (128, block size 16; 32 for int8) in each
 # dtype, H100 every variant.
 BUILDS = ([("h100", v) for v in VARIANTS]
-          + [("h200", v) for v in VARIANTS if v[0].startswith("decode") and v[3] == 128 and v[4] in (16, 32)])
+          + [("h200", v) for v in VARIANTS if v[0].startswith("decode") and v[3] == 128 and v[4] in (16, 32)]
+          + [("b200", v) for v in VARIANTS if v[1] != "float32"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +138,7 @@ def _one(gpu, kind, dtype, kv_dtype, head_dim, block_size, soft_cap, window, gro
     stack, stores, loads = map(int, spills.groups())
     return KernelStats(int(used.group(1)), stores, loads, stack,
                        scratch.nbytes(scratch.scratch(dtype, kv_dtype, head_dim, block_size,
-                                                      4 if kind == "decode-split" else 1)))
+                                                      4 if kind == "decode-split" else 1, ARCH[gpu])))
 
 
 def _cache_file(gpu, variant):

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import checks
 from pallas_kernels.mosaic import kernel
+from pallas_kernels.mosaic.mma import engine
 from pallas_kernels.mosaic.support import check_supported
 
 # A program (one warpgroup) is resident 1-3 to an SM of an H100/H200 (132 SMs), by its head_dim's
@@ -23,19 +24,19 @@ MAX_SPLITS = 16
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window",
-                                             "interpret", "num_splits"))
+                                             "interpret", "num_splits", "arch"))
 def _paged_attention_mosaic(q, k_pages, v_pages, block_tables, seq_lens, k_scales, v_scales, *,
-                            sm_scale, soft_cap, sliding_window, interpret, num_splits):
+                            sm_scale, soft_cap, sliding_window, interpret, num_splits, arch):
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[0]
     group = num_heads // num_kv_heads
     q_rows = jnp.pad(q.reshape(num_seqs, num_kv_heads, group, head_dim),
-                     ((0, 0), (0, 0), (0, kernel.ROWS - group), (0, 0)))
+                     ((0, 0), (0, 0), (0, engine(arch).rows - group), (0, 0)))
     lens = seq_lens.astype(jnp.int32)
     out = kernel.attention(
         q_rows, k_pages, v_pages, block_tables, jnp.arange(num_seqs, dtype=jnp.int32), lens - 1,
         (lens > 0).astype(jnp.int32), k_scales, v_scales, group=group, sm_scale=sm_scale, soft_cap=soft_cap,
-        sliding_window=sliding_window, interpret=interpret, splits=num_splits)
+        sliding_window=sliding_window, interpret=interpret, splits=num_splits, arch=arch)
     if num_splits > 1:
         out = combine(*out, num_splits)
     return out[:, :, :group].reshape(q.shape)
@@ -57,10 +58,11 @@ def combine(out, lse, splits: int):
     return merged.astype(dtype)
 
 
-def default_splits(num_seqs, num_kv_heads, head_dim, max_len, sliding_window=None) -> int:
+def default_splits(num_seqs, num_kv_heads, head_dim, max_len, sliding_window=None,
+                   arch="sm_90") -> int:
     """Splits enough for about TARGET_PROGRAMS programs, each at least MIN_STEPS_PER_SPLIT key
     steps of the longest context the tables address (or the window), at most MAX_SPLITS."""
-    programs = max(1, num_seqs * num_kv_heads * (head_dim // min(head_dim, kernel.PV_COLS)))
+    programs = max(1, num_seqs * num_kv_heads * (head_dim // min(head_dim, engine(arch).pv_cols)))
     if programs >= TARGET_PROGRAMS // 2:
         return 1
     steps = -(-max_len // kernel.KEYS)
@@ -83,6 +85,7 @@ def paged_attention_mosaic(
     k_scales=None,  # f32[num_kv_heads, num_blocks, block_size]: with int8/fp8 pages
     v_scales=None,  # f32[num_kv_heads, num_blocks, block_size]
     num_splits=None,  # split-k programs per (sequence, KV head); default: default_splits
+    arch=None,  # "sm_90" (Hopper) or "sm_100" (Blackwell); default: the GPU's, else "sm_90"
 ):
     """paged_attention's contract (decode over keys [0, seq_len), or the last `sliding_window` of
     them) on Mosaic GPU. Takes what `support.supports` accepts (bf16/f16 at head_dim 64, 128 or
@@ -95,10 +98,10 @@ def paged_attention_mosaic(
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError(f"q has {q.shape[0]} sequences, block_tables {block_tables.shape[0]}")
     checks.check_options(sm_scale, soft_cap, sliding_window)
-    check_supported("paged_attention_mosaic", q, k_pages)
+    arch = check_supported("paged_attention_mosaic", q, k_pages, arch)
     if num_splits is None:
         num_splits = default_splits(q.shape[0], k_pages.shape[0], head_dim,
-                                    block_tables.shape[1] * k_pages.shape[2], sliding_window)
+                                    block_tables.shape[1] * k_pages.shape[2], sliding_window, arch)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     if q.shape[0] == 0:
@@ -108,4 +111,4 @@ def paged_attention_mosaic(
         sm_scale=float(head_dim**-0.5 if sm_scale is None else sm_scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         sliding_window=None if sliding_window is None else int(sliding_window),
-        interpret=bool(interpret), num_splits=num_splits)
+        interpret=bool(interpret), num_splits=num_splits, arch=arch)

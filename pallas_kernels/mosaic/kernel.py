@@ -1,16 +1,17 @@
-"""The Mosaic GPU paged-attention kernel (Hopper, sm_90a) both wrappers launch: decode (decode.py)
-and ragged prefill + decode (ragged.py).
+"""The Mosaic GPU paged-attention kernel (Hopper sm_90a, Blackwell sm_100a) both wrappers launch:
+decode (decode.py) and ragged prefill + decode (ragged.py).
 
-A program (one warpgroup, 128 threads) owns ROWS = 64 query rows of one KV head, the rows of one
-WGMMA tile: `num_tokens` consecutive tokens of one sequence times the KV head's G query heads
-(row r: token r // G, head r % G; decode has one token, so G rows and the rest padding). The
-wrappers gather those rows in XLA into q_rows [num_tiles, num_kv_heads, ROWS, head_dim] and scatter
-the output back. Grid (num_tiles, num_kv_heads, halves): halves is 2 at head_dim 256 (PV_COLS),
-else 1. The program walks its keys in steps of KEYS = 64
-positions: for each step it reads the block-table entries itself and issues one TMA copy per page
-(or per 64-row slice of a larger page) of K and V into shared memory, double-buffered: step t + 1's
-copies fly while step t computes. q.k^T and p.v run on WGMMA with both operands in shared memory (p
-is written there: the Mosaic GPU interpreter cannot take a register operand), and an online softmax
+A program (one warpgroup, 128 threads) owns ROWS query rows of one KV head, the rows of one MMA
+tile (mma.py: 64 for Hopper's WGMMA, 128 for Blackwell's tcgen05): `num_tokens` consecutive tokens
+of one sequence times the KV head's G query heads (row r: token r // G, head r % G; decode has one
+token, so G rows and the rest padding). The wrappers gather those rows in XLA into q_rows
+[num_tiles, num_kv_heads, ROWS, head_dim] and scatter the output back. Grid (num_tiles,
+num_kv_heads, halves): halves is 2 at head_dim 256 (mma.Wgmma.pv_cols), else 1. The program walks
+its keys in steps of KEYS = 64 positions: for each step it reads the block-table entries itself
+and issues one TMA copy per page (or per 64-row slice of a larger page) of K and V into shared
+memory, double-buffered: step t + 1's copies fly while step t computes. q.k^T and p.v run on the
+tensor cores with both operands in shared memory (p is written there: the Mosaic GPU interpreter
+cannot take a register operand), and an online softmax
 in base 2 (FlashAttention-2) runs in registers. Row r sees keys [lo_r, hi_r): causal, within the
 window. Steps cut by the union of the rows' spans zero the V rows outside it in shared memory
 first: those slots may hold anything, NaN included, and 0 * NaN would poison p.v. A row that sees
@@ -34,14 +35,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mosaic.scratch import KEYS, PV_COLS, ROWS, scratch
+from pallas_kernels.mosaic.mma import engine
+from pallas_kernels.mosaic.scratch import KEYS, register_cols, scratch
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: see online_softmax.MASK_VALUE
 LOG2E = math.log2(math.e)
 P_SCALE = 2.0**10  # f32: p in [0, 1] is split as p * P_SCALE (a power of two: exact both ways)
-# f32 pages are split 64 columns at a time: a whole [64, 128] f32 step in registers next to the
-# accumulator spilled (H100, split-k with a soft cap: 255 registers and 16 bytes of spill stores).
-HALVES_COLS = 64
 
 
 def split_f16(x):
@@ -50,16 +49,10 @@ def split_f16(x):
     return hi, (x - hi.astype(jnp.float32)).astype(jnp.float16)
 
 
-def _cast(x, dtype):
-    """Hopper converts fp8 to f16 only: fp8 -> bf16 goes through f32."""
-    if x.dtype == jnp.float8_e4m3fn and dtype != jnp.float16:
-        x = x.astype(jnp.float32)
-    return x.astype(dtype)
-
-
 def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
             q_smem, k_smem, v_smem, p_smem, q_barrier, kv_barriers, group, sm_scale, soft_cap,
-            sliding_window, splits, quantized=None, halves=None, lse_smem=None):
+            sliding_window, splits, engine, mma=None, quantized=None, halves=None, lse_smem=None,
+            o_smem=None):
     # tile_seq_ref: i32[num_tiles], the block-table row; tile_pos_ref: i32[num_tiles], the position
     # of the tile's first token in its sequence; tile_tokens_ref: i32[num_tiles], its live tokens
     # (0..ROWS // group) (GMEM)
@@ -75,7 +68,9 @@ def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_re
     # parts: 2 with f32 (the f16 halves hi, lo), else 1; kv_barriers: one per slot, an arrival per
     # copy. quantized: dict(k16=[KEYS, head_dim], v16=[KEYS, cols] in q's dtype (the cast pages
     # WGMMA reads), ks=, vs= f32[2, KEYS] (the step's scales)). halves: f16[2, KEYS, head_dim]
-    # with f32 pages, the step's K and then V as hi, lo (f32 has head_dim == cols)
+    # with f32 pages, the step's K and then V as hi, lo (f32 has head_dim == cols). engine: the
+    # mma.py class, ROWS its rows; mma: its scratch (Blackwell's tensor memory and barriers);
+    # o_smem: [ROWS, cols] in q's dtype, Blackwell's output staging at head_dim 256
     if splits > 1:
         *refs, o_ref, lse_ref = refs
     else:
@@ -122,42 +117,45 @@ def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_re
     pl.when(end > first)(lambda: fetch(first, 0))
     plgpu.barrier_wait(q_barrier)
 
-    wgmma_layout = plgpu.Layout.WGMMA
-    m = plgpu.layout_cast(jnp.full((ROWS,), MASK_VALUE, jnp.float32), wgmma_layout.reduce(1))
-    l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), wgmma_layout.reduce(1))
-    acc = plgpu.layout_cast(jnp.zeros((ROWS, cols), jnp.float32), wgmma_layout)
+    eng = engine(mma)
+    rows, layout = eng.rows, eng.layout  # the [rows, ...] arrays' layout: the MMA's
+    tile_layout = plgpu.Layout.WGMMA  # the [KEYS, ...] page tiles' (64 rows)
+    m = plgpu.layout_cast(jnp.full((rows,), MASK_VALUE, jnp.float32), layout.reduce(1))
+    l = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), layout.reduce(1))
+    acc = eng.zeros(cols)
     # Row r's span [lo, hi): token r // group sits at position pos0 + r // group.
-    token = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 0, layout=wgmma_layout) // group
+    token = plgpu.broadcasted_iota(jnp.int32, (rows, KEYS), 0, layout=layout) // group
     row_pos = pos0 + token
     hi = jnp.where((token < tokens) & (row_pos >= 0), jnp.minimum(row_pos + 1, capacity), 0)
     lo = 0 if sliding_window is None else jnp.maximum(hi - sliding_window, 0)
 
-    def dot(a, b, acc_ref):  # a, b: (ref,), or f32's halves (hi, lo): hi.hi + hi.lo + lo.hi
-        if len(b) == 2:  # the small terms first: they round into a smaller sum
-            plgpu.wgmma(acc_ref, a[0], b[1])
-            plgpu.wgmma(acc_ref, a[1], b[0])
-        plgpu.wgmma(acc_ref, a[0], b[0])
-        return acc_ref[...]
-
     q_parts, p_parts = ([ref.at[i] for i in range(ref.shape[0])] for ref in (q_smem, p_smem))
 
-    def key_positions(t, shape, dim):  # i32 iota of step t's key positions along `dim`
-        return t * KEYS + plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma_layout)
+    def chunks(n):  # column slices of a [KEYS, n] page tile that registers take (scratch.register_cols)
+        size = register_cols(k_smem.dtype)
+        return [pl.ds(c, min(size, n)) for c in range(0, n, size)]
+
+    def key_positions(t, shape, dim, layout):  # i32 iota of step t's key positions along `dim`
+        return t * KEYS + plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=layout)
 
     def span_values(t, v):  # v [KEYS, n] with the rows outside [lo_min, hi_max) zeroed
-        pos = key_positions(t, v.shape, 0)
+        pos = key_positions(t, v.shape, 0, tile_layout)
         return jnp.where((pos >= lo_min) & (pos < hi_max), v, 0.0)
 
+    def dequantize(pages, scales):  # int8/fp8 [KEYS, n] times their f32 scales [KEYS], in q's dtype
+        x = plgpu.load(pages, layout=tile_layout).astype(jnp.float32)
+        scale = plgpu.load(scales, layout=tile_layout.reduce(1))
+        return (x * lax.broadcast_in_dim(scale, x.shape, [0])).astype(q_smem.dtype)
+
     def stage_halves(pages, t=None):  # f32 pages [KEYS, head_dim] -> f16 halves in `halves`
-        for c in range(0, head_dim, HALVES_COLS):  # (with t: the rows outside step t's span zero)
-            span = pl.ds(c, HALVES_COLS)
-            x = plgpu.load(pages.at[:, span], layout=wgmma_layout)
+        for span in chunks(head_dim):  # (with t: the rows outside step t's span zero)
+            x = plgpu.load(pages.at[:, span], layout=tile_layout)
             for part, h in enumerate(split_f16(x if t is None else span_values(t, x))):
                 halves.at[part, :, span][...] = h
         plgpu.commit_smem()
 
     def step(i, carry):
-        acc, m, l = carry  # f32[ROWS, cols], f32[ROWS], f32[ROWS]
+        acc, m, l = carry  # f32[rows, cols] (None on Blackwell: in tensor memory), f32[rows] x 2
         t, slot = first + i, lax.rem(i, 2)
         pl.when(t + 1 < end)(lambda: fetch(t + 1, 1 - slot))
         plgpu.barrier_wait(kv_barriers.at[slot])
@@ -166,29 +164,25 @@ def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_re
         if halves is not None:  # K's halves now; V's after q.k^T has read them
             keys = values = [halves.at[0], halves.at[1]]
             stage_halves(k_smem.at[slot])
-        elif quantized:  # cast to q's dtype into k16/v16, zeroing V outside the span on the way
+        elif quantized:  # dequantize into k16/v16 (q's dtype), zeroing V outside the span
             k16, v16 = quantized["k16"], quantized["v16"]
             keys, values = [k16], [v16]
-            for c in range(0, head_dim, PV_COLS):  # <= 128 columns at a time: registers for hd 256
-                span = pl.ds(c, min(PV_COLS, head_dim))
-                k16.at[:, span][...] = _cast(plgpu.load(k_smem.at[slot, :, span], layout=wgmma_layout),
-                                             k16.dtype)
-            v16[...] = span_values(t, _cast(plgpu.load(v_smem.at[slot], layout=wgmma_layout),
-                                            v16.dtype))
+            for span in chunks(head_dim):
+                k16.at[:, span][...] = dequantize(k_smem.at[slot, :, span], quantized["ks"].at[slot])
+            for span in chunks(cols):
+                v16.at[:, span][...] = span_values(t, dequantize(v_smem.at[slot, :, span],
+                                                                 quantized["vs"].at[slot]))
             plgpu.commit_smem()
         else:
             @pl.when((t * KEYS < lo_min) | ((t + 1) * KEYS > hi_max))
             def _():
-                v_smem.at[slot][...] = span_values(t, plgpu.load(v_smem.at[slot], layout=wgmma_layout))
+                for span in chunks(cols):
+                    v = v_smem.at[slot, :, span]
+                    v[...] = span_values(t, plgpu.load(v, layout=tile_layout))
                 plgpu.commit_smem()
 
-        s = pl.run_scoped(functools.partial(dot, q_parts, [k.T for k in keys]),
-                          plgpu.ACC((ROWS, KEYS), jnp.float32))
-        pos = key_positions(t, (ROWS, KEYS), 1)
-        if quantized:  # the logits times the keys' scales; scales outside the span may be NaN
-            span = (pos >= lo_min) & (pos < hi_max)
-            ks = plgpu.load(quantized["ks"].at[slot], layout=wgmma_layout.reduce(0))
-            s = s * jnp.where(span, lax.broadcast_in_dim(ks, s.shape, [1]), 0.0)
+        s = eng.logits(q_parts, keys, (rows, KEYS))
+        pos = key_positions(t, (rows, KEYS), 1, layout)
         if soft_cap is None:
             s = s * (sm_scale * LOG2E)
         else:
@@ -199,9 +193,6 @@ def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_re
         alpha = jnp.exp2(m - m_new)
         p = jnp.where(visible, jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
         l = l * alpha + p.sum(axis=1)
-        if quantized:  # the probabilities times the values' scales, before p.v
-            vs = plgpu.load(quantized["vs"].at[slot], layout=wgmma_layout.reduce(0))
-            p = p * jnp.where(span, lax.broadcast_in_dim(vs, p.shape, [1]), 0.0)
         if halves is not None:
             for ref, h in zip(p_parts, split_f16(p * P_SCALE)):
                 ref[...] = h
@@ -209,21 +200,19 @@ def _kernel(tile_seq_ref, tile_pos_ref, tile_tokens_ref, tables_ref, q_ref, k_re
         else:
             p_parts[0][...] = p.astype(p_smem.dtype)
             plgpu.commit_smem()
-        pv = pl.run_scoped(functools.partial(dot, p_parts, values), plgpu.ACC((ROWS, cols), jnp.float32))
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + (
-            pv if halves is None else pv * (1 / P_SCALE))
-        return acc, m_new, l
+        return eng.accumulate(acc, alpha, p_parts, values), m_new, l
 
     acc, m, l = lax.fori_loop(0, end - first, step, (acc, m, l))
-    l_b = lax.broadcast_in_dim(l, acc.shape, [0])  # rows that saw no key give zeros
-    out = jnp.where(l_b > 0, acc / jnp.where(l_b > 0, l_b, 1.0), 0.0)
     # The output's staging buffer, free once the loop is done: with f32, a K slot (f32, KEYS ==
-    # ROWS rows); else q_smem when it is all the columns, else a V slot in q's dtype (a TMA copy
-    # reads contiguous shared memory: half of q_smem's columns is not): v_smem's, or with int8/fp8
-    # pages the cast values'.
+    # rows); else q_smem when it is all the columns, else (a TMA copy reads contiguous shared
+    # memory: half of q_smem's columns is not) Blackwell's o_smem, or a 64-row V slot in q's
+    # dtype: v_smem's, or with int8/fp8 pages the cast values'.
     stage = (k_smem.at[0] if halves is not None else q_smem.at[0] if cols == head_dim
-             else quantized["v16"] if quantized else v_smem.at[0])
-    stage[...] = out.astype(stage.dtype)
+             else o_smem if o_smem is not None else quantized["v16"] if quantized else v_smem.at[0])
+    for c, acc_c in eng.result(acc):  # with f32, p.v summed p * P_SCALE
+        l_b = lax.broadcast_in_dim(l if halves is None else l * P_SCALE, acc_c.shape, [0])
+        out = jnp.where(l_b > 0, acc_c / jnp.where(l_b > 0, l_b, 1.0), 0.0)  # no key seen: 0
+        stage.at[:, pl.ds(c, acc_c.shape[1])][...] = out.astype(stage.dtype)
     if splits > 1:  # log2 of the split's softmax sum, in the loop's base-2 units; MASK_VALUE: no key
         lse_smem[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)) * LOG2E, MASK_VALUE)
     plgpu.commit_smem()
@@ -251,6 +240,7 @@ def attention(
     sliding_window: int | None,
     interpret: bool,
     splits: int = 1,
+    arch: str = "sm_90",  # "sm_100": Blackwell's tcgen05 (mma.py)
 ):  # -> [num_tiles, num_kv_heads, ROWS, head_dim]; splits > 1: (out, lse), see decode.combine
     """Launch the kernel: grid (num_tiles * splits, num_kv_heads, head_dim // cols). `splits` > 1
     (split-k, FlashDecoding): each tile's key steps are shared out over `splits` programs, each
@@ -259,7 +249,7 @@ def attention(
     _, _, _, head_dim = q_rows.shape
     block_size = k_pages.shape[2]
     dtype, kv_dtype = q_rows.dtype, k_pages.dtype
-    cols = min(head_dim, PV_COLS)
+    cols = min(head_dim, engine(arch).pv_cols)
     f32 = dtype == jnp.float32
     # q_rows -> [num_tiles, num_kv_heads, parts, ROWS, head_dim]: f32's halves, else one part
     q_rows = jnp.stack(split_f16(q_rows), axis=2) if f32 else q_rows[:, :, None]
@@ -268,15 +258,16 @@ def attention(
     if k_scales is not None:
         inputs += [k_scales, v_scales]
     kernel = functools.partial(_kernel, group=group, sm_scale=sm_scale, soft_cap=soft_cap,
-                               sliding_window=sliding_window, splits=splits)
+                               sliding_window=sliding_window, splits=splits, engine=engine(arch))
+    rows = engine(arch).rows
     num_tiles, num_kv_heads = tile_seq.shape[0], k_pages.shape[0]
-    out_type = jax.ShapeDtypeStruct((num_tiles * splits, num_kv_heads, ROWS, head_dim), dtype)
+    out_type = jax.ShapeDtypeStruct((num_tiles * splits, num_kv_heads, rows, head_dim), dtype)
     if splits > 1:
-        out_type = (out_type, jax.ShapeDtypeStruct((num_tiles * splits, num_kv_heads, ROWS), jnp.float32))
+        out_type = (out_type, jax.ShapeDtypeStruct((num_tiles * splits, num_kv_heads, rows), jnp.float32))
     return plgpu.kernel(
         kernel,
         out_type=out_type,
-        scratch_types=scratch(dtype, kv_dtype, head_dim, block_size, splits),
+        scratch_types=scratch(dtype, kv_dtype, head_dim, block_size, splits, arch),
         grid=(num_tiles * splits, num_kv_heads, head_dim // cols),
         grid_names=("tile", "head", "half"),
         kernel_name="paged_attention_mosaic",

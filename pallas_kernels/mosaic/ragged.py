@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import checks
 from pallas_kernels.mosaic import kernel
+from pallas_kernels.mosaic.mma import engine
 from pallas_kernels.mosaic.support import check_supported
 from pallas_kernels.ragged_paged_attention import _tile_table
 
@@ -32,25 +33,26 @@ def _tiles(query_start_loc, seq_lens, num_tokens, block_q, num_tiles):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window",
-                                             "interpret"))
+                                             "interpret", "arch"))
 def _ragged_paged_attention_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
                                    k_scales, v_scales, *, sm_scale, soft_cap, sliding_window,
-                                   interpret):
+                                   interpret, arch):
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[0]
     group = num_heads // num_kv_heads
-    block_q = kernel.ROWS // group
+    rows = engine(arch).rows
+    block_q = rows // group
     num_tiles = num_tokens // block_q + block_tables.shape[0] + 1
     seq, start, pos, tokens = _tiles(query_start_loc, seq_lens, num_tokens, block_q, num_tiles)
 
-    rows = jnp.arange(kernel.ROWS)  # row r: token r // group, head r % group of the KV head
-    token = jnp.clip(start[:, None] + rows // group, 0, num_tokens - 1)  # i32[num_tiles, ROWS]
-    head = jnp.arange(num_kv_heads)[:, None] * group + rows % group  # i32[num_kv_heads, ROWS]
-    q_rows = q[token[:, None, :], head[None, :, :]]  # [num_tiles, num_kv_heads, ROWS, head_dim]
+    r = jnp.arange(rows)  # row r: token r // group, head r % group of the KV head
+    token = jnp.clip(start[:, None] + r // group, 0, num_tokens - 1)  # i32[num_tiles, rows]
+    head = jnp.arange(num_kv_heads)[:, None] * group + r % group  # i32[num_kv_heads, rows]
+    q_rows = q[token[:, None, :], head[None, :, :]]  # [num_tiles, num_kv_heads, rows, head_dim]
     out = kernel.attention(q_rows, k_pages, v_pages, block_tables, seq, pos, tokens, k_scales,
                            v_scales, group=group,
                            sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                           interpret=interpret)
+                           interpret=interpret, arch=arch)
 
     # Each token's tile and row within it; tokens no tile owns (padding) stay uncovered.
     j = jnp.arange(block_q)
@@ -79,6 +81,7 @@ def ragged_paged_attention_mosaic(
     interpret=False,  # True: the Mosaic GPU interpreter, on the CPU
     k_scales=None,  # f32[num_kv_heads, num_blocks, block_size]: with int8/fp8 pages
     v_scales=None,  # f32[num_kv_heads, num_blocks, block_size]
+    arch=None,  # "sm_90" (Hopper) or "sm_100" (Blackwell); default: the GPU's, else "sm_90"
 ):
     """ragged_paged_attention's contract on Mosaic GPU: sequence s's tokens are the last
     qsl[s+1] - qsl[s] of its seq_lens[s] tokens and attend causally (and within
@@ -90,10 +93,10 @@ def ragged_paged_attention_mosaic(
     num_seqs = block_tables.shape[0]
     checks.check_int("query_start_loc", query_start_loc, (num_seqs + 1,))
     checks.check_options(sm_scale, soft_cap, sliding_window)
-    check_supported("ragged_paged_attention_mosaic", q, k_pages)
-    if num_heads // num_kv_heads > kernel.ROWS:
+    arch = check_supported("ragged_paged_attention_mosaic", q, k_pages, arch)
+    if num_heads // num_kv_heads > engine(arch).rows:
         raise ValueError(f"ragged_paged_attention_mosaic: {num_heads // num_kv_heads} query heads "
-                         f"per KV head do not fit a {kernel.ROWS}-row tile")
+                         f"per KV head do not fit a {engine(arch).rows}-row tile")
     if q.shape[0] == 0 or num_seqs == 0:  # nothing to attend: every token is padding
         return jnp.zeros_like(q)
     return _ragged_paged_attention_mosaic(
@@ -101,4 +104,4 @@ def ragged_paged_attention_mosaic(
         sm_scale=float(head_dim**-0.5 if sm_scale is None else sm_scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         sliding_window=None if sliding_window is None else int(sliding_window),
-        interpret=bool(interpret))
+        interpret=bool(interpret), arch=arch)

@@ -168,6 +168,17 @@ def test_other_families_compile_and_fit(tmp_path, gpu, model, backend, copying):
     check_sized_as_vllm(figures, gpu, model, copying=copying)
 
 
+@pytest.mark.skipif(not mosaic.AVAILABLE, reason=str(mosaic.UNAVAILABLE))
+def test_blackwell_programs_compile_on_mosaic_gpu(tmp_path):
+    """B200 with the tcgen05 kernel forced ("auto" keeps Triton there while jax ships it): decode
+    pads to 128-row tiles and ragged tiles hold 128 // G tokens, inside the engine's programs."""
+    status, figures, err = compile_for_gpu(tmp_path, "b200", "qwen3-0.6b", "--programs", "largest",
+                                           "--attention-backend", "pallas_mosaic")
+    assert status == 0, err[-3000:]
+    assert figures["config"]["attention_backend"] == "pallas_mosaic"
+    check_sized_as_vllm(figures, "b200", "qwen3-0.6b")
+
+
 @pytest.mark.parametrize("model,spec,verify", [
     ("smollm2-135m-instruct", {"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_min": 2,
                                "prompt_lookup_max": 4}, "verify ngram k=7 T=2048 B=256 W=512"),

@@ -44,9 +44,11 @@ def test_auto_on_hopper(gpu, model, expected):
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_100"])
 def test_auto_off_hopper_is_triton(gpu, arch):
-    """Ampere/Ada: no TMA barriers, no WGMMA; Blackwell: WGMMA refused on sm_100a."""
+    """Ampere/Ada: no TMA barriers, no WGMMA or tcgen05; Blackwell: Mosaic GPU's tcgen05 kernel
+    has not run on one yet (attention.MOSAIC_FIRST), so Triton while there is one."""
     gpu[0] = arch
-    assert resolve_backend("auto", **LLAMA) == TRITON
+    blackwell_without_triton = arch == "sm_100" and not triton_call.AVAILABLE
+    assert resolve_backend("auto", **LLAMA) == (MOSAIC if blackwell_without_triton else TRITON)
 
 
 def test_forced_backends():
@@ -78,6 +80,9 @@ def no_triton(monkeypatch):
 def test_auto_without_triton_is_mosaic_on_hopper_else_the_reference(gpu, no_triton):
     assert resolve_backend("auto", **LLAMA) == ("pallas_mosaic" if mosaic.AVAILABLE else "reference")
     assert resolve_backend("auto", **dict(LLAMA, dtype=jnp.float32, head_dim=256)) == "reference"
+    gpu[0] = "sm_100"  # Blackwell: the tcgen05 kernel, for what it takes (not f32)
+    assert resolve_backend("auto", **LLAMA) == ("pallas_mosaic" if mosaic.AVAILABLE else "reference")
+    assert resolve_backend("auto", **dict(LLAMA, dtype=jnp.float32)) == "reference"
     gpu[0] = "sm_80"
     assert resolve_backend("auto", **LLAMA) == "reference"
     for name in ("pallas_triton", "pallas", "pallas-interpret"):
@@ -90,8 +95,12 @@ def test_mosaic_refusal_says_why(gpu):
     assert f32 == ("float32 takes head_dim 64 or 128 (shared memory), got 256" if mosaic.AVAILABLE
                    else mosaic.UNAVAILABLE)
     assert mosaic_refusal(None, 128, 16) == "the model's dtype, head_dim and block_size were not given"
+    gpu[0] = "sm_100"
+    f32 = mosaic_refusal(**dict(LLAMA, dtype=jnp.float32))
+    assert f32.startswith("float32 runs on Hopper only") if mosaic.AVAILABLE else f32 == mosaic.UNAVAILABLE
+    assert mosaic_refusal(**LLAMA) == (None if mosaic.AVAILABLE else mosaic.UNAVAILABLE)
     gpu[0] = "sm_80"
-    assert mosaic_refusal(**LLAMA) == "Hopper (sm_90) only, this GPU is sm_80"
+    assert mosaic_refusal(**LLAMA) == "Hopper (sm_90) and Blackwell (sm_100) only, this GPU is sm_80"
 
 
 def test_the_engine_says_why_it_runs_the_reference_on_a_gpu(gpu, no_triton, monkeypatch, capsys):
@@ -103,8 +112,8 @@ def test_the_engine_says_why_it_runs_the_reference_on_a_gpu(gpu, no_triton, monk
     model = random_model(tiny_config(head_dim=64, dtype=jnp.bfloat16))
     config = EngineArgs(num_blocks=8, block_size=16).create_engine_config(model)
     assert config.attention_backend == "reference"
-    assert ("attention runs the jnp reference (Mosaic GPU: Hopper (sm_90) only, this GPU is sm_80; "
-            "jax 9.9 has no Pallas Triton (gone))") in capsys.readouterr().err
+    assert ("attention runs the jnp reference (Mosaic GPU: Hopper (sm_90) and Blackwell (sm_100) "
+            "only, this GPU is sm_80; jax 9.9 has no Pallas Triton (gone))") in capsys.readouterr().err
     gpu[0] = "sm_90"  # Hopper: Mosaic GPU where this jax has it, and then nothing to say
     config = EngineArgs(num_blocks=8, block_size=16).create_engine_config(model)
     assert config.attention_backend == ("pallas_mosaic" if mosaic.AVAILABLE else "reference")

@@ -1,5 +1,6 @@
 """The Mosaic GPU decode and ragged kernels in the Mosaic GPU interpreter (CPU) against a dense float64
-attention and the jnp reference, and compiled on a Hopper GPU (marked `gpu`). jax before 0.12 has
+attention and the jnp reference, Hopper's (WGMMA, 64-row tiles) and Blackwell's (tcgen05, 128-row
+tiles in tensor memory), and compiled on the GPU at hand (marked `gpu`). jax before 0.12 has
 no usable Pallas Mosaic GPU: there every test skips, naming the jax version."""
 import jax.numpy as jnp
 import numpy as np
@@ -25,12 +26,19 @@ CASES = [  # group, head_dim, block_size, dtype
 ]
 
 
-class DecodeCases:
+class Arch:
     INTERPRET = False
+    ARCH = None  # the GPU's
 
+    def options(self, batch):
+        if self.ARCH == "sm_100" and batch["q"].dtype == F32:
+            pytest.skip("f32 runs on Hopper only (shared memory at 128-row tiles)")
+        return dict(interpret=self.INTERPRET, arch=self.ARCH)
+
+
+class DecodeCases(Arch):
     def run(self, batch, **opts):
-        return mosaic.paged_attention_mosaic(*(batch[n] for n in NAMES),
-                                             interpret=self.INTERPRET, **opts)
+        return mosaic.paged_attention_mosaic(*(batch[n] for n in NAMES), **self.options(batch), **opts)
 
     def check(self, batch, **opts):
         out = self.run(batch, **opts)
@@ -97,6 +105,11 @@ class TestDecodeInterpret(DecodeCases):
     INTERPRET = True
 
 
+class TestDecodeBlackwellInterpret(DecodeCases):
+    INTERPRET = True
+    ARCH = "sm_100"
+
+
 RAGGED_NAMES = NAMES + ("query_start_loc",)
 RAGGED_CASES = [  # group, head_dim, block_size, dtype
     (1, 64, 8, BF16),  # 64 tokens a tile
@@ -107,12 +120,10 @@ RAGGED_CASES = [  # group, head_dim, block_size, dtype
 ]
 
 
-class RaggedCases:
-    INTERPRET = False
-
+class RaggedCases(Arch):
     def run(self, batch, **opts):
         return mosaic.ragged_paged_attention_mosaic(*(batch[n] for n in RAGGED_NAMES),
-                                                    interpret=self.INTERPRET, **opts)
+                                                    **self.options(batch), **opts)
 
     def check(self, batch, **opts):
         out = self.run(batch, **opts)
@@ -155,6 +166,11 @@ class TestRaggedInterpret(RaggedCases):
     INTERPRET = True
 
 
+class TestRaggedBlackwellInterpret(RaggedCases):
+    INTERPRET = True
+    ARCH = "sm_100"
+
+
 def quantized(batch, storage, sliding_window=None):
     """-> (inputs with `storage` pages and NaN scales (and fp8 NaN pages) in every slot no token
     may see, their dequantized batch for the float64 reference)."""
@@ -170,9 +186,8 @@ def quantized(batch, storage, sliding_window=None):
     return out, dequantized
 
 
-class QuantizedCases:
-    """int8/fp8 pages: cast to q's dtype in shared memory, scaled per (token, KV head)."""
-    INTERPRET = False
+class QuantizedCases(Arch):
+    """int8/fp8 pages: dequantized into q's dtype in shared memory (scaled per (token, KV head))."""
 
     @pytest.mark.parametrize("storage,splits,head_dim", [(jnp.int8, 1, 128), (jnp.float8_e4m3fn, 1, 128),
                                                          (jnp.int8, 3, 128), (jnp.float8_e4m3fn, 1, 256)])
@@ -185,8 +200,8 @@ class QuantizedCases:
         inputs, dequantized = quantized(batch, storage, sliding_window=100)
         out = mosaic.paged_attention_mosaic(
             *(inputs[n] for n in NAMES), k_scales=inputs["k_scales"],
-            v_scales=inputs["v_scales"], sliding_window=100, interpret=self.INTERPRET,
-            num_splits=splits)
+            v_scales=inputs["v_scales"], sliding_window=100, num_splits=splits,
+            **self.options(batch))
         assert rel_err(out, dense_attention(dequantized, sliding_window=100)) <= TOL[BF16]
 
     @pytest.mark.parametrize("head_dim", [64, 256])
@@ -196,7 +211,7 @@ class QuantizedCases:
         inputs, dequantized = quantized(batch, jnp.int8)
         out = mosaic.ragged_paged_attention_mosaic(
             *(inputs[n] for n in RAGGED_NAMES), k_scales=inputs["k_scales"],
-            v_scales=inputs["v_scales"], interpret=self.INTERPRET)
+            v_scales=inputs["v_scales"], **self.options(batch))
         assert rel_err(out, dense_attention(dequantized)) <= TOL[F16]
 
 
@@ -207,6 +222,11 @@ class TestQuantizedGpu(QuantizedCases):
 
 class TestQuantizedInterpret(QuantizedCases):
     INTERPRET = True
+
+
+class TestQuantizedBlackwellInterpret(QuantizedCases):
+    INTERPRET = True
+    ARCH = "sm_100"
 
 
 @pytest.mark.parametrize("change,message", [
