@@ -1,7 +1,7 @@
-"""Every Mosaic GPU attention variant the engine can launch, compiled for a Hopper GPU on a machine
-without one: a deviceless XLA compile (pallas_kernels.gpu_target) turns the kernel's
-`mosaic_gpu_v2` custom call into sm_90a code, and ptxas's report (MOSAIC_GPU_DUMP_PTXAS) gives its
-registers and spills. Each compile runs in a subprocess (an architecture mismatch can abort the
+"""Every Mosaic GPU attention variant the engine can launch, compiled for a Hopper (or Blackwell)
+GPU on a machine without one: a deviceless XLA compile (pallas_kernels.gpu_target) turns the
+kernel's `mosaic_gpu_v2` custom call into sm_90a (sm_100a) code, and ptxas's report
+(MOSAIC_GPU_DUMP_PTXAS) gives its registers and spills. Each compile runs in a subprocess (an architecture mismatch can abort the
 process) and its stats are cached under cubin.CACHE_DIR, keyed by the kernels' sources, the
 variant, the GPU and the jax version.
 
@@ -144,8 +144,8 @@ def _one(gpu, kind, dtype, kv_dtype, head_dim, block_size, soft_cap, window, gro
 def _cache_file(gpu, variant):
     import jax
     here = os.path.dirname(__file__)
-    sources = [open(os.path.join(here, name)).read() for name in ("kernel.py", "decode.py",
-                                                                  "ragged.py", "scratch.py")]
+    sources = [open(os.path.join(here, name)).read()
+               for name in ("kernel.py", "mma.py", "scratch.py", "decode.py", "ragged.py")]
     key = json.dumps([sources, gpu, list(variant), jax.__version__])
     return os.path.join(cubin.CACHE_DIR, "mosaic-" + hashlib.sha256(key.encode()).hexdigest()[:40]
                         + ".json")
