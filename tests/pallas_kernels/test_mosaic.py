@@ -31,9 +31,16 @@ class Arch:
     ARCH = None  # the GPU's
 
     def options(self, batch):
-        if self.ARCH == "sm_100" and batch["q"].dtype == F32:
-            pytest.skip("f32 runs on Hopper only (shared memory at 128-row tiles)")
         return dict(interpret=self.INTERPRET, arch=self.ARCH)
+
+    def refused(self, batch, **opts):
+        """True once it has checked that Blackwell refuses f32 (its halves at 128-row tiles do
+        not fit shared memory), naming why; False where the kernel takes the batch."""
+        if self.ARCH != "sm_100" or batch["q"].dtype != F32:
+            return False
+        with pytest.raises(ValueError, match="float32 runs on Hopper only"):
+            self.run(batch, **opts)
+        return True
 
 
 class DecodeCases(Arch):
@@ -55,6 +62,8 @@ class DecodeCases(Arch):
         lens = [1, block_size - 1, 64, 65, 2 * block_size + 70, 0]
         batch = poison_unseen(make_batch(0, lens, [1] * len(lens), group=group, head_dim=head_dim,
                                          block_size=block_size, dtype=dtype))
+        if self.refused(batch):
+            return
         out = self.check(batch)
         assert not np.asarray(out[-1]).any()  # the padding row: zeros
 
@@ -79,6 +88,8 @@ class DecodeCases(Arch):
         dtype = opts.pop("dtype", BF16)
         batch = poison_unseen(make_batch(4, lens, [1] * len(lens), group=group, head_dim=head_dim,
                                          block_size=16, dtype=dtype), opts.get("sliding_window"))
+        if self.refused(batch, num_splits=splits, **opts):
+            return
         out = self.check(batch, num_splits=splits, **opts)
         assert not np.asarray(out[-1]).any()
 
@@ -139,6 +150,8 @@ class RaggedCases(Arch):
         q_lens = [1, 1, 7, 24, 23, 0, 10]
         batch = poison_unseen(make_batch(6, seq_lens, q_lens, group=group, head_dim=head_dim,
                                          block_size=block_size, dtype=dtype, pad_tokens=3))
+        if self.refused(batch):
+            return
         out = self.check(batch)
         assert not np.asarray(out[-3:]).any()  # padding tokens: zeros
 
