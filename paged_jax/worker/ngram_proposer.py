@@ -71,10 +71,12 @@ def propose(pages: TokenPages, batch, min_n: int, max_n: int):
     """The drafts of the batch's optimistic rows (PrefillBatch.optimistic), up to the slots the host
     reserved for them (spec_rows), looked up in each row's tokens through its last one; other rows
     keep the host's -> (drafts i32[B, J - 1], -1 where none)."""
-    tokens = pages.rows(batch.block_tables)
     reserved = batch.spec_rows[:, 1:] >= 0
     first = jnp.maximum(batch.spec_rows[:, 0], 0)
-    starts, counts = lookup(tokens, batch.positions[first] + 1, jnp.sum(reserved, axis=1), min_n, max_n)
+    last = batch.positions[first]  # a row's last token is this call's first of it, not yet in the pages
+    tokens = pages.rows(batch.block_tables)
+    tokens = tokens.at[jnp.arange(tokens.shape[0]), jnp.minimum(last, tokens.shape[1] - 1)].set(batch.tokens[first])
+    starts, counts = lookup(tokens, last + 1, jnp.sum(reserved, axis=1), min_n, max_n)
     j = jnp.arange(reserved.shape[1])
     found = jnp.take_along_axis(tokens, jnp.minimum(starts[:, None] + j, tokens.shape[1] - 1), axis=1)
     found = jnp.where(j < counts[:, None], found, -1)
@@ -82,15 +84,13 @@ def propose(pages: TokenPages, batch, min_n: int, max_n: int):
 
 
 def read_batch(pages: TokenPages, batch, lookup_n: tuple[int, int] | None):
-    """A prefill call's tokens written beside their K/V, and with `lookup_n` = (prompt_lookup_min,
-    prompt_lookup_max) in a verifying call its optimistic rows' drafts looked up and written over
-    their stand-ins -> (batch, pages)."""
-    pages = pages.write(batch.slot_mapping, batch.tokens)
-    if lookup_n is None:
-        return batch, pages
-    drafts = propose(pages, batch, *lookup_n)
-    at = jnp.where((batch.spec_rows[:, 1:] >= 0) & (drafts >= 0), batch.spec_rows[:, 1:], batch.tokens.shape[0])
-    batch = dataclasses.replace(batch, tokens=batch.tokens.at[at].set(drafts, mode="drop"), drafts=drafts)
+    """With `lookup_n` = (prompt_lookup_min, prompt_lookup_max) in a verifying call, its optimistic
+    rows' drafts looked up and written over their stand-ins; then the call's tokens written beside
+    their K/V -> (batch, pages)."""
+    if lookup_n is not None:
+        drafts = propose(pages, batch, *lookup_n)
+        at = jnp.where((batch.spec_rows[:, 1:] >= 0) & (drafts >= 0), batch.spec_rows[:, 1:], batch.tokens.shape[0])
+        batch = dataclasses.replace(batch, tokens=batch.tokens.at[at].set(drafts, mode="drop"), drafts=drafts)
     return batch, pages.write(batch.slot_mapping, batch.tokens)
 
 

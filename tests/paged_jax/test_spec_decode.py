@@ -134,6 +134,31 @@ def test_the_devices_ngram_lookup_equals_the_hosts():
         assert 0 < np.count_nonzero(counts) < len(rows)
 
 
+def test_a_verifying_call_looks_up_drafts_through_its_own_first_token():
+    """ngram_proposer.read_batch: an optimistic row's last token is the call's first of it (not yet
+    in the pages); its drafts are found through it and written over the stand-ins, then every token
+    of the call lands beside its K/V. A row the host proposed for (its drafts in the call's tokens)
+    keeps them."""
+    pages = ngram_proposer.TokenPages(jnp.asarray(np.arange(24, dtype=np.int32).reshape(6, 4) + 100))
+    held = [5, 17, 99, 3, 42, 5]  # positions 0-5 in blocks 1 and 2; the call brings 17 at position 6
+    pages = pages.write(jnp.array([4, 5, 6, 7, 8, 9]), jnp.array(held, jnp.int32))
+    batch = batching.PrefillBatch(**{**{f: None for f in batching.PrefillBatch.__dataclass_fields__},
+                                     "tokens": jnp.array([17, 0, 0, 0, 8, 9], jnp.int32),
+                                     "positions": jnp.array([6, 7, 8, 9, 3, 4], jnp.int32),
+                                     "slot_mapping": jnp.array([10, 11, 12, 13, 19, 20], jnp.int32),
+                                     "block_tables": jnp.array([[1, 2, 3], [4, 5, 0]], jnp.int32),
+                                     "spec_rows": jnp.array([[0, 1, 2, 3], [4, 5, -1, -1]], jnp.int32),
+                                     "drafts": jnp.array([[-1, -1, -1], [9, -1, -1]], jnp.int32),
+                                     "optimistic": jnp.array([True, False])})
+    out, pages = ngram_proposer.read_batch(pages, batch, (2, 3))
+    starts, counts = ngram.propose(np.array([held + [17]], np.int32), np.array([7]), np.array([3]), 2, 3)
+    assert (starts.tolist(), counts.tolist()) == ([2], [3])  # the host's rule finds the same
+    assert out.drafts.tolist() == [[99, 3, 42], [9, -1, -1]]  # held[2:5], found through "5 17"
+    assert out.tokens.tolist() == [17, 99, 3, 42, 8, 9]
+    assert np.asarray(pages.token_ids).reshape(-1).tolist()[4:14] == held + [17, 99, 3, 42]
+    assert (int(pages.token_ids[4, 3]), int(pages.token_ids[5, 0])) == (8, 9)
+
+
 def test_a_prompt_lookup_predicts_the_tokens_after_its_drafts():
     """ngram.PromptLookup: a row's drafts and the token a lookup after them proposes are what it is
     expected to hold next; a row whose tokens are PENDING is looked up in that prediction (where a
