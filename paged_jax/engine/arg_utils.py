@@ -156,7 +156,7 @@ class EngineArgs:
         kv_dtype = attention.check_kv_cache_dtype(self.kv_cache_dtype, backend, c.dtype)
         draft_bytes = 0 if draft_model is None else self.draft_bytes_per_block(c, draft_model.config, backend)
         speculating = spec_config.engine_fields(self.speculative_config)
-        config = config_lib.resolve(
+        return config_lib.resolve(
             c, block_size=self.block_size, num_blocks=self.num_blocks,
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_fraction=self.kv_cache_memory_fraction,
@@ -169,8 +169,8 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching, attention_backend=backend, kv_dtype=kv_dtype,
             kv_shards=sharding.tensor_parallel_size(mesh), sliding_window=getattr(c, "kv_window", None),
             kv_cache_dtype=self.kv_cache_dtype, preemption_mode=self.preemption_mode, swap_space=self.swap_space,
-            enable_host_prefix_cache=self.enable_host_prefix_cache, draft_bytes_per_block=draft_bytes)
-        return dataclasses.replace(config, **speculating)
+            enable_host_prefix_cache=self.enable_host_prefix_cache, draft_bytes_per_block=draft_bytes,
+            **speculating)
 
     def draft_bytes_per_block(self, target, draft, backend: str) -> int:
         """A draft model's K/V bytes per block, once it is checked against the target: the same

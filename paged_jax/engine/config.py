@@ -12,6 +12,7 @@ from paged_jax import attention
 CPU_KV_CACHE_BYTES = 256 * 2**20
 DEFAULT_UTILIZATION = 0.9  # vLLM's gpu_memory_utilization default
 PREEMPTION_MODES = ("recompute", "swap")
+TOKEN_BYTES = 4  # n-gram speculation's token pages: an int32 token id per KV slot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +33,7 @@ class EngineConfig:
     enable_host_prefix_cache: bool = False  # evicted cached blocks are kept in host memory
     num_speculative_tokens: int = 0  # proposals a row verifies per call (speculative decoding), 0: off
     # n-gram speculation: (prompt_lookup_min, prompt_lookup_max) of the device's lookup of drafts
-    # planned ahead, whose token pages (4 bytes a slot beside its K/V) are left out of
+    # planned ahead, whose token pages (TOKEN_BYTES a slot on every device, beside its K/V) count in
     # bytes_per_block (worker/ngram_proposer.py); None otherwise
     prompt_lookup: tuple[int, int] | None = None
 
@@ -89,7 +90,8 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
             max_num_batched_tokens, max_model_len, num_decode_steps, long_prefill_token_threshold,
             enable_prefix_caching, attention_backend, kv_dtype, kv_shards=1, sliding_window=None,
             kv_cache_dtype="auto", preemption_mode="recompute", swap_space=4,
-            enable_host_prefix_cache=False, memory_stats=None, draft_bytes_per_block=0) -> EngineConfig:
+            enable_host_prefix_cache=False, memory_stats=None, draft_bytes_per_block=0,
+            num_speculative_tokens=0, prompt_lookup=None) -> EngineConfig:
     """`kv_shards`: devices the KV heads are split over (tensor parallelism); the budget is per
     device, so each block costs a device 1 / kv_shards of its bytes. `sliding_window`: the window every
     layer shares, which bounds the blocks a sequence holds (and so what the pool can use), not its length. `activation_bytes(num_tokens,
@@ -98,7 +100,9 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
     "fp8_e4m3", whose per-token scales count in each block's bytes). `memory_stats`: the device's
     (`bytes_limit`, `bytes_in_use`) when it is not the local one (a compile-only GPU); None reads them
     from the local device. `draft_bytes_per_block`: a draft model's K/V in each block (speculative
-    decoding: its pages share the target's block ids), counted in the block's bytes."""
+    decoding: its pages share the target's block ids), counted in the block's bytes, as n-gram
+    speculation's token pages are (`prompt_lookup`: see EngineConfig; replicated, so each shard
+    holds them whole)."""
     # The values alone were checked by EngineArgs; what follows depends on the model and the mesh.
     if preemption_mode == "swap" and kv_shards > 1:
         raise ValueError(f"preemption_mode='swap' with tensor parallelism ({kv_shards} shards) is not built")
@@ -118,7 +122,7 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
     bytes_per_block = attention.bytes_per_block(model_config.num_layers, model_config.num_kv_heads,
                                                 block_size, model_config.head_dim, kv_dtype,
                                                 layout=attention.cache_layout(attention_backend))
-    bytes_per_block += draft_bytes_per_block
+    bytes_per_block += draft_bytes_per_block + (0 if prompt_lookup is None else TOKEN_BYTES * block_size * kv_shards)
     step_tokens = max(max_num_batched_tokens, num_decode_steps or 8)
     per_seq = blocks_per_seq(max_model_len, block_size, sliding_window, step_tokens)
     useful = max_num_seqs * per_seq + 1  # more could never be used
@@ -141,7 +145,8 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
                         enable_prefix_caching=enable_prefix_caching,
                         attention_backend=attention_backend, bytes_per_block=bytes_per_block,
                         kv_cache_dtype=kv_cache_dtype, preemption_mode=preemption_mode,
-                        swap_space=float(swap_space), enable_host_prefix_cache=enable_host_prefix_cache)
+                        swap_space=float(swap_space), enable_host_prefix_cache=enable_host_prefix_cache,
+                        num_speculative_tokens=num_speculative_tokens, prompt_lookup=prompt_lookup)
 
 
 def blocks_per_seq(longest: int, block_size: int, sliding_window: int | None = None, step_tokens: int = 0) -> int:

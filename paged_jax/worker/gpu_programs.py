@@ -88,10 +88,9 @@ def build(model_cls, model_config, devices, *, bytes_limit: int, temp_bytes: Cal
                  num_decode_steps=num_decode_steps, long_prefill_token_threshold=0, enable_prefix_caching=True,
                  attention_backend=backend, kv_dtype=kv_dtype, kv_shards=mesh.size,
                  sliding_window=getattr(model.config, "kv_window", None), kv_cache_dtype=kv_cache_dtype,
-                 draft_bytes_per_block=draft_bytes)
-    speculating = spec_config.engine_fields(spec)
-    probe = abstract_engine.AbstractEngine(model, dataclasses.replace(
-        config_lib.resolve(model.config, num_blocks=2, **sizes), **speculating), mesh, weights, draft)
+                 draft_bytes_per_block=draft_bytes, **spec_config.engine_fields(spec))
+    probe = abstract_engine.AbstractEngine(model, config_lib.resolve(model.config, num_blocks=2, **sizes), mesh,
+                                           weights, draft)
 
     def peak(num_tokens, max_num_seqs):  # as model_runner.activation_bytes: -> (program, its temp bytes)
         verifies = [verify_program(probe, max_num_seqs)] if spec else []
@@ -106,7 +105,6 @@ def build(model_cls, model_config, devices, *, bytes_limit: int, temp_bytes: Cal
         raise DoesNotFit(f"{largest.name} needs {temps} bytes of temps: {e}") from e
     if max_model_len is None and config.max_model_len > (config.num_blocks - 1) * block_size:
         config = dataclasses.replace(config, max_model_len=(config.num_blocks - 1) * block_size)
-    config = dataclasses.replace(config, **speculating)  # as EngineArgs.create_engine_config sets them
     return abstract_engine.AbstractEngine(model=model, config=config, placement=mesh, weight_bytes=weights,
                                           draft_model=draft)
 

@@ -98,17 +98,19 @@ def program(figures, prefix):
     return next(p for p in figures["programs"] if p["name"].startswith(prefix))
 
 
-def check_sized_as_vllm(figures, gpu, model, *, tp=1, page_bytes=2, scale_bytes=0, draft=None, copying=()):
+def check_sized_as_vllm(figures, gpu, model, *, tp=1, page_bytes=2, scale_bytes=0, draft=None, ngram=False,
+                        copying=()):
     """The pool holds what gpu_memory_utilization leaves of jax's limit after the weights and the
     largest prefill's temps (or verification's, if larger), capped at what max_num_seqs sequences
     of the model's whole context could use; and weights, pool and every program's temps fit; and no
     program but those named in `copying` copies a layer's weights out of the stacked arrays.
-    `draft`: a draft model whose K/V each block holds too."""
+    `draft`: a draft model whose K/V each block holds too; `ngram`: each block holds its slots' token
+    ids too (n-gram speculation's token pages, an int32 a slot)."""
     c, hf = figures["config"], json.load(open(os.path.join(CONFIGS, model + ".json")))
     limit = int(gpu_target.gpu_spec(gpu).memory_bytes * 0.75)  # XLA_PYTHON_CLIENT_MEM_FRACTION's default
     assert figures["bytes_limit"] == limit
     assert c["bytes_per_block"] == kv_bytes_per_block(model, page_bytes=page_bytes, scale_bytes=scale_bytes) + (
-        kv_bytes_per_block(draft) if draft else 0)
+        kv_bytes_per_block(draft) if draft else 0) + (4 * c["block_size"] if ngram else 0)
     budget = int(UTILIZATION * limit - figures["weight_bytes"] - figures["activation_bytes"])
     useful = c["max_num_seqs"] * -(-hf["max_position_embeddings"] // c["block_size"]) + 1
     assert c["num_blocks"] == min(useful, budget * tp // c["bytes_per_block"])
@@ -191,7 +193,8 @@ def test_speculative_decoding_compiles_and_fits(tmp_path, model, spec, verify):
                                            "--speculative-config", json.dumps(spec))
     assert status == 0, err[-3000:]
     assert [p["name"] for p in figures["programs"]][2] == verify
-    check_sized_as_vllm(figures, "h100", model, draft="qwen2.5-0.5b" if "model" in spec else None)
+    check_sized_as_vllm(figures, "h100", model, draft="qwen2.5-0.5b" if "model" in spec else None,
+                        ngram=spec["method"] == "ngram")
 
 
 @pytest.mark.parametrize("kv_cache_dtype,page_bytes", [("int8", 1), ("fp8_e4m3", 1)])

@@ -116,7 +116,8 @@ def test_an_ngram_engine_verifies_at_every_row_bucket_with_its_token_pages(built
                                 max_num_batched_tokens=8192, max_model_len=None, speculative_config=spec)
     c = engine.config
     assert (c.num_speculative_tokens, c.prompt_lookup) == (7, (2, 4))
-    assert c.num_blocks == built[0].config.num_blocks  # the token pages are not in bytes_per_block
+    assert c.bytes_per_block == built[0].config.bytes_per_block + 4 * 16  # a block's token ids, int32 a slot
+    assert c.num_blocks == built[0].config.num_blocks  # both pools hold all that 256 sequences can use
     programs = gpu_programs.engine_programs(engine)
     verifies = [p.name for p in programs if p.name.startswith("verify")]
     assert verifies == [f"verify ngram k=7 T={8 * b} B={b} W=512" for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)]
