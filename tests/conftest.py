@@ -12,6 +12,12 @@ import jax  # noqa: E402  (after the platform is chosen)
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+if os.environ["JAX_PLATFORMS"] == "cpu":
+    # XLA's compile is most of this suite's time (a tiny model's programs run in microseconds);
+    # LLVM's optimizations take a quarter of it. Off in this process only: the same HLO and
+    # arithmetic (XLA:CPU does not reassociate floats at any level), and subprocesses (the servers,
+    # scripts, and every compile for a GPU) keep jax's defaults.
+    jax.config.update("jax_disable_most_optimizations", True)
 
 
 @pytest.fixture(autouse=True, scope="module")

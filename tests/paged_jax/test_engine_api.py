@@ -43,10 +43,13 @@ def no_leak():
 
 
 def greedy_reference(model, prompt, n, penalty=None):
-    """Greedy continuation from the dense forward; `penalty` = (repetition, frequency, presence)."""
+    """Greedy continuation from the dense forward; `penalty` = (repetition, frequency, presence).
+    Each forward is padded on the right to a power of two (inert: attention is causal), so a
+    continuation compiles a few shapes, not one per length."""
     tokens = list(prompt)
     for _ in range(n):
-        logits = np.asarray(dense_logits(model, jnp.array([tokens]))[0, -1], np.float64)
+        padded = tokens + [0] * (max(16, 1 << (len(tokens) - 1).bit_length()) - len(tokens))
+        logits = np.asarray(dense_logits(model, jnp.array([padded]))[0, len(tokens) - 1], np.float64)
         if penalty:
             rep, freq, pres = penalty
             out = np.bincount(tokens[len(prompt):], minlength=logits.size)
