@@ -12,12 +12,24 @@ import jax  # noqa: E402  (after the platform is chosen)
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-if os.environ["JAX_PLATFORMS"] == "cpu":
+FAST_COMPILES = os.environ["JAX_PLATFORMS"] == "cpu"
+if FAST_COMPILES:
     # XLA's compile is most of this suite's time (a tiny model's programs run in microseconds);
-    # LLVM's optimizations take a quarter of it. Off in this process only: the same HLO and
-    # arithmetic (XLA:CPU does not reassociate floats at any level), and subprocesses (the servers,
-    # scripts, and every compile for a GPU) keep jax's defaults.
+    # LLVM's optimizations take a quarter of it. Off in this process only: the same HLO, and
+    # XLA:CPU's fast math is off at every level, so no float is reassociated. Subprocesses (the
+    # servers, the scripts, every compile for a GPU) keep jax's defaults.
     jax.config.update("jax_disable_most_optimizations", True)
+
+
+@pytest.fixture
+def optimized_compiles():
+    """jax's default optimizations for one test that measures what it compiles (a profile's op
+    shares), its programs compiled afresh."""
+    jax.config.update("jax_disable_most_optimizations", False)
+    jax.clear_caches()
+    yield
+    jax.config.update("jax_disable_most_optimizations", FAST_COMPILES)
+    jax.clear_caches()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -40,7 +40,7 @@ def test_only_this_programs_executions_count():
     assert abs(seconds["LM head"] - 40e-6) < 1e-12 and abs(seconds["other"] - 5e-6) < 1e-12  # (30 + 50) / 2, 10 / 2
 
 
-def test_it_reports_the_runners_weights_and_every_part(capsys):
+def test_it_reports_the_runners_weights_and_every_part(capsys, optimized_compiles):
     profile_decode.main(["--model", "models/embedded", "--batch-sizes", "1", "2"])
     out = capsys.readouterr().out
     weights = sum(x.nbytes for x in jax.tree.leaves(LLM("models/embedded", log_stats=False).engine.model_runner.params))
