@@ -69,6 +69,7 @@ def test_an_engine_that_dies_fails_held_and_later_requests_within_seconds():
 
     assert asyncio.run(session()) == ["the engine stopped: RuntimeError('device lost')"] * 3
     assert llm.num_unfinished == 0
+    llm.shutdown()  # the dead thread joined here, so its exception is reported in this test, not the next
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
@@ -97,6 +98,7 @@ def test_an_add_queued_as_the_engine_dies_is_failed_not_left_waiting():
 
     assert asyncio.run(asyncio.wait_for(session(), 10)) in (
         "refused at the call", "the engine stopped: RuntimeError('device lost')")
+    llm.shutdown()
 
 
 def test_a_duplicate_request_id_is_refused_and_the_first_request_keeps_its_stream():
