@@ -136,8 +136,11 @@ class EngineArgs:
             if tp not in (1, mesh.shape.get(sharding.AXIS)):
                 raise ValueError(f"tensor_parallel_size={tp} disagrees with the mesh's {sharding.AXIS!r} axis "
                                  f"of size {mesh.shape.get(sharding.AXIS)}")
-            return mesh
-        return sharding.make_mesh(tp) if tp != 1 else None
+        elif tp != 1:
+            mesh = sharding.make_mesh(tp)
+        if mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1:
+            sharding.same_programs_in_every_process()
+        return mesh
 
     def create_engine_config(self, model, mesh=None, draft_model=None) -> config_lib.EngineConfig:
         """The engine's sizes for `model` (its attention backend, KV dtype and pool), as vLLM's

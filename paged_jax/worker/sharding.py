@@ -36,6 +36,18 @@ PARAM_SPECS = {
 }
 
 
+def same_programs_in_every_process() -> None:
+    """A program across processes must be the same executable in each: jax (0.12.1 on) derives each
+    launch's id from the executable's fingerprint, and the collectives inside match by that id. By
+    default jax writes every op's Python traceback into the program, and a server's processes trace
+    the engine's steps from different call stacks (process 0 on AsyncLLM's thread, the others in
+    the step follower): their ids differed and the first all-reduce waited forever. The programs
+    keep each op's own frame only, its file named without directories (a job's hosts may install
+    the package in different places). Set for every mesh across processes (EngineArgs.create_mesh)."""
+    jax.config.update("jax_include_full_tracebacks_in_locations", False)
+    jax.config.update("jax_hlo_source_file_canonicalization_regex", r".*/")
+
+
 def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
     """The first `tensor_parallel_size` devices; across several processes (jax.distributed), the
     same number from each process, since a process with no device in the mesh could not read a step's

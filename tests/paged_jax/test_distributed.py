@@ -2,6 +2,7 @@
 collectives), two processes, a free coordinator port and a hard time limit per job, the embedded
 model: scripts/generate.py with one CPU device per process at tensor_parallel_size 2, and
 tests/paged_jax/distributed_worker.py with 2 devices per process at 4. The reference is one process."""
+import importlib.util
 import json
 import os
 import socket
@@ -12,9 +13,10 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
 
-from paged_jax.worker import distributed
+from paged_jax.worker import distributed, sharding
 from scripts import generate
 from tests.paged_jax import distributed_worker as worker
 from tests.ports import free_port
@@ -178,3 +180,40 @@ def test_bad_process_arguments_are_refused_before_any_collective(capsys):
             generate.main(argv)
         assert exit_info.value.code == 2
         assert capsys.readouterr().err == f"generate.py: error: {message}\n"
+
+
+def test_a_program_across_processes_is_one_executable_from_any_call_stack_or_install_path(tmp_path):
+    """jax 0.12.1 matches a launch's collectives across processes by an id taken from the
+    executable's fingerprint; a server's processes trace the engine's steps from different call
+    stacks (and hosts may install the package in different places). With jax's defaults the stack
+    and the file's path are in the program, so the fingerprints differ (a server's first all-reduce
+    then waits forever); after sharding.same_programs_in_every_process they are one."""
+    functions = []
+    for place in ("one", "other"):
+        (tmp_path / place).mkdir()
+        path = tmp_path / place / "program.py"
+        path.write_text("import jax.numpy as jnp\n\n\ndef f(a):\n    return jnp.sin(a) * 2\n")
+        spec = importlib.util.spec_from_file_location(f"program_{place}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        functions.append(module.f)
+
+    def fingerprint(f, depth: int):  # traced `depth` calls deeper
+        if depth:
+            return fingerprint(f, depth - 1)
+        jax.clear_caches()
+        return jax.jit(f).lower(jnp.ones(4)).compile().runtime_executable().fingerprint
+
+    def fingerprints():
+        return {fingerprint(functions[0], 0), fingerprint(functions[0], 3), fingerprint(functions[1], 0)}
+
+    names = ("jax_include_full_tracebacks_in_locations", "jax_hlo_source_file_canonicalization_regex")
+    saved = {name: getattr(jax.config, name) for name in names}
+    assert len(fingerprints()) == 3
+    try:
+        sharding.same_programs_in_every_process()
+        assert len(fingerprints()) == 1
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
+        jax.clear_caches()
