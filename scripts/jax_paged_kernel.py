@@ -1,5 +1,5 @@
 """jax's own Pallas-Triton GPU paged_attention as a baseline for scripts/benchmark_kernel.py, on the
-jax lines that still ship it (0.12 deprecates it; a later one may remove it)."""
+jax lines that still ship it (0.12 deprecates it; 0.12.1 removed it)."""
 import importlib
 import sys
 import warnings

@@ -90,5 +90,7 @@ def test_int8_engine_equals_the_engine_on_the_dequantized_weights(overrides):
                          [lp.logprob for o in outs for entry in o.outputs[0].logprobs for lp in entry.values()])
         assert_pool_drained(llm)
     assert results["int8"][0] == results["dequantized"][0]
-    tolerance = 2e-2 if overrides.get("dtype") == "bfloat16" else 1e-4
-    np.testing.assert_allclose(results["int8"][1], results["dequantized"][1], atol=tolerance)
+    # bf16: two roundings of the value (its unit roundoff is 2^-8; measured up to 1.6 of them, jax
+    # 0.12.1), and one of 1 for a logprob near 0
+    tolerance = dict(rtol=2**-7, atol=2**-8) if overrides.get("dtype") == "bfloat16" else dict(rtol=0, atol=1e-4)
+    np.testing.assert_allclose(results["int8"][1], results["dequantized"][1], **tolerance)

@@ -10,6 +10,7 @@ from pallas_kernels import mosaic
 
 pytestmark = [pytest.mark.skipif(not mosaic.AVAILABLE, reason=str(mosaic.UNAVAILABLE)),
               pytest.mark.timeout(900)]
+pytest.importorskip("jax_plugins.xla_cuda12", reason="needs pip install -e '.[gpu-compile]'")
 gpu_target = pytest.importorskip("pallas_kernels.gpu_target",
                                  reason="needs the compile-only GPU device (gpu_target)")
 from pallas_kernels.mosaic import compile_check  # noqa: E402
