@@ -6,6 +6,8 @@
 #     would download a multi-GB CUDA build.
 #  2. A Python 3.13 venv (.venv-jax-latest) with the newest jax and flax from PyPI, what a new user
 #     installs today; no torch there (that CUDA download), so the parity tests skip on this line.
+#     The gpu-compile extra pins jax's CUDA plugin to the jax it installs, so pip settles on the
+#     newest jax whose plugin is released: 0.12.0.1 while jax 0.12.1 has none (the line prints it).
 # Both lines compile the kernels to cubins (tests/pallas_kernels/test_cubin.py); the IR is the
 # same, so the second line reads the first one's stats (pallas_kernels/cubin.py: CACHE_DIR).
 # Line 2 also installs the gpu-compile extra: XLA's GPU compiler, which compiles the engine's whole
