@@ -55,7 +55,7 @@ def table(engine, done, spec):
     print(f"{'program':38} {'compile s':>9} {'args GiB':>8} {'out GiB':>7} {'alias GiB':>9} {'temp MiB':>8} "
           f"{'GFLOP*':>8} {'GB acc.*':>8} {'XLA ms*':>8} {'model ms':>8}")
     for program, s in done:
-        model = (f"{gpu_compile.roofline_seconds(engine, spec, tokens=program.tokens, kv_tokens=program.kv_tokens, steps=program.steps) * 1e3:8.2f}"
+        model = (f"{gpu_compile.program_roofline_seconds(engine, spec, program) * 1e3:8.2f}"
                  if program.steps else f"{'-':>8}")
         print(f"{s.name:38} {s.compile_seconds:9.1f} {s.argument_bytes / GiB:8.2f} {s.output_bytes / GiB:7.2f} "
               f"{s.alias_bytes / GiB:9.2f} {s.temp_bytes / 2**20:8.1f} {s.flops / 1e9:8.1f} "

@@ -51,8 +51,7 @@ def main():
     for program in gpu_programs.engine_programs(engine, args.programs):
         if not program.steps:
             continue
-        estimate = gpu_compile.roofline_seconds(engine, spec, tokens=program.tokens, kv_tokens=program.kv_tokens,
-                                                steps=program.steps)
+        estimate = gpu_compile.program_roofline_seconds(engine, spec, program)
         try:
             measured, _ = gpu_compile.run_timed(engine, program, args.runs)
         except Exception as e:  # one program failing (out of memory, say) must not hide the rest

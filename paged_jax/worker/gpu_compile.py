@@ -20,7 +20,8 @@ import numpy as np
 
 from models import layers
 from pallas_kernels import gpu_target
-from paged_jax.worker import hlo_audit
+from paged_jax.engine.arg_utils import EngineArgs
+from paged_jax.worker import abstract_engine, hlo_audit
 
 CACHE_DIR = os.environ.get("PAGED_JAX_GPU_COMPILE_CACHE",
                            os.path.join(os.path.expanduser("~"), ".cache", "paged-jax", "gpu-compile"))
@@ -100,13 +101,33 @@ def roofline_seconds(engine, spec: gpu_target.GpuSpec, *, tokens: int, kv_tokens
     """The floor of `steps` forwards of `tokens` tokens each, whose attention reads `kv_tokens`
     cached tokens: the longer of the weights' matmuls (2 flops a weight a token) at the bf16 peak
     and every weight and cached token's K/V read once at the bandwidth, one device's share of each.
-    Attention's own flops are left out (small beside the weights' below ~8k tokens of context)."""
+    Attention's own flops are left out (small beside the weights' below ~8k tokens of context).
+    With a draft model, each forward runs it too (its weights and pages are the engine's)."""
     c = engine.config
-    kv_per_token = c.bytes_per_block / c.block_size / engine.placement.size
-    weight_count = engine.weight_bytes / jax.numpy.dtype(engine.model.config.dtype).itemsize
-    compute = 2 * weight_count * tokens / spec.peak_bf16_flops
-    memory = (engine.weight_bytes + kv_tokens * kv_per_token) / spec.bandwidth
-    return steps * max(compute, memory)
+    return steps * _forward_seconds(engine, spec, engine.weight_bytes, tokens,
+                                    kv_tokens * c.bytes_per_block / c.block_size)
+
+
+def program_roofline_seconds(engine, spec: gpu_target.GpuSpec, program) -> float:
+    """`roofline_seconds` of a program's model work (gpu_programs.Program), and of the draft model's
+    decode steps alone before it where it proposes (a draft model's verification: k steps of one
+    token a row, each reading the draft's weights and its K/V of the rows' contexts)."""
+    seconds = roofline_seconds(engine, spec, tokens=program.tokens, kv_tokens=program.kv_tokens, steps=program.steps)
+    if program.draft_steps:
+        c, draft = engine.config, engine.draft_model
+        draft_block = EngineArgs(block_size=c.block_size, attention_backend=c.attention_backend,
+                                 kv_cache_dtype=c.kv_cache_dtype).draft_bytes_per_block(
+            engine.model.config, draft.config, c.attention_backend)
+        seconds += program.draft_steps * _forward_seconds(
+            engine, spec, abstract_engine.weight_bytes_per_device(draft), program.draft_tokens,
+            program.kv_tokens * draft_block / c.block_size)
+    return seconds
+
+
+def _forward_seconds(engine, spec, weight_bytes: int, tokens: int, kv_bytes: float) -> float:
+    """One forward's floor: its matmuls at the bf16 peak or its bytes at the bandwidth, one device's share."""
+    compute = 2 * weight_bytes / jax.numpy.dtype(engine.model.config.dtype).itemsize * tokens / spec.peak_bf16_flops
+    return max(compute, (weight_bytes + kv_bytes / engine.placement.size) / spec.bandwidth)
 
 
 def run_timed(engine, program, runs: int = 5):

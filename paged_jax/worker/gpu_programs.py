@@ -44,6 +44,8 @@ class Program:
     steps: int = 0  # forwards through the model
     tokens: int = 0  # tokens each forward computes
     kv_tokens: int = 0  # cached tokens each forward's attention reads
+    draft_steps: int = 0  # a draft model's decode steps alone before them (its proposals)
+    draft_tokens: int = 0  # tokens each draft step computes (one a row)
     # Elements of one layer's slice of each stacked weight -> its name (AbstractEngine.layer_slices):
     # a copy of one in the compiled program is reported (gpu_compile.ProgramStats.copied_layer_slices).
     layer_slices: dict = dataclasses.field(default_factory=dict)
@@ -224,7 +226,8 @@ def verify_program(engine, num_rows: int) -> Program:
                                    max_blocks_per_seq=c.max_blocks_per_seq, token_cap=c.max_num_batched_tokens,
                                    num_speculative_tokens=k)
     method = "ngram" if c.prompt_lookup else "draft"
-    return _prefill(engine, f"verify {method} k={k}", plan, batch, dict(random=True), num_rows * (1 + k))
+    program = _prefill(engine, f"verify {method} k={k}", plan, batch, dict(random=True), num_rows * (1 + k))
+    return program if c.prompt_lookup else dataclasses.replace(program, draft_steps=k, draft_tokens=num_rows)
 
 
 def decode_program(engine, num_rows: int, *, random=True, penalties=False) -> Program:

@@ -165,6 +165,21 @@ def test_a_draft_models_pages_share_the_pool_budget():
     verify = gpu_programs.verify_program(engine, 64)
     assert verify.args[2].draft_cache.k_pages.shape == (2, 24 * c.num_blocks, 16, 64)
     assert verify.static["draft_graphdef"] is not None and verify.args[6] is not None
+    # Its roofline, on a GPU whose bandwidth bounds every forward here: the target's forward of
+    # 64 x 5 tokens (both models' weights and pages: the draft runs over them too), and before it
+    # the draft's 4 steps of one token a row, each reading the draft's weights and pages alone.
+    from pallas_kernels.gpu_target import GpuSpec
+    from paged_jax.worker import gpu_compile
+    gpu = GpuSpec("slow memory", "9.0", 80 * 2**30, bandwidth=1e9, peak_bf16_flops=1e18)
+    kv_tokens = 63 * 5 + c.max_model_len  # each row reads its drafts too
+    assert (verify.steps, verify.tokens, verify.kv_tokens, verify.draft_steps, verify.draft_tokens) == (
+        1, 64 * 5, kv_tokens, 4, 64)
+    forward = engine.weight_bytes + kv_tokens * (target_block + draft_block) / 16
+    draft_step = draft_weights + kv_tokens * draft_block / 16
+    assert gpu_compile.program_roofline_seconds(engine, gpu, verify) == pytest.approx((forward + 4 * draft_step) / 1e9)
+    decode = gpu_programs.decode_program(engine, 64)  # no proposals: the forwards alone
+    assert gpu_compile.program_roofline_seconds(engine, gpu, decode) == pytest.approx(
+        8 * (engine.weight_bytes + decode.kv_tokens * (target_block + draft_block) / 16) / 1e9)
     with pytest.raises(ValueError, match="vocab_size 49152 differs from the target's 151936"):
         gpu_programs.build(MODEL_REGISTRY["qwen3"].model_cls, target, jax.devices("cpu")[:1],
                            temp_bytes=lambda program: ACTIVATION, speculative_config=dict(spec, model=SMOLLM2), **sizes)
