@@ -2,7 +2,7 @@
 models' configs (tests/data/configs, no weights) at GPU defaults, each run in its own process (an
 architecture mismatch aborts one). Compiled figures are cached by the lowered program's hash
 (gpu_compile.CACHE_DIR), so a run whose programs did not change only traces and lowers; cold, the
-CI set compiles for about 20 minutes of one worker. Needs the gpu-compile extra (jax line 2 of
+CI set compiles for about 20 minutes of one worker. Needs the gpu-compile extra (line 2g of
 scripts/test.sh); skipped where the CUDA plugin is not installed. `-m slow`: every program bucket,
 and Llama-3.1-8B over 8 GPUs."""
 import json

@@ -1,6 +1,6 @@
 """The compile-only GPU device (pallas_kernels/gpu_target.py): XLA's target configs in the repository,
 the pinned ptxas, and a program compiled for each GPU without one. Each compile runs in a subprocess:
-an architecture mismatch aborts the process. Needs the gpu-compile extra (jax line 2 of
+an architecture mismatch aborts the process. Needs the gpu-compile extra (line 2g of
 scripts/test.sh); skipped where the CUDA plugin is not installed."""
 import json
 import os
