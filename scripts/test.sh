@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install what the tests need and run them on both jax lines: the README's test command, and what
-# CI runs. Exits non-zero if either line fails (both always run).
+# CI runs. Exits non-zero if any run fails (all always run).
 #  1. This machine's Python 3.11, whose newest jax is 0.10. torch==2.13.0 first: on these machines
 #     it is a CPU build from local disk, while an unpinned torch (pulled in by the parity extra)
 #     would download a multi-GB CUDA build.
