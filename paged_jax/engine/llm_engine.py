@@ -229,7 +229,7 @@ class LLMEngine:
         if self.speculator:
             self.speculator.limit_decode(plan)
         stats_lib.count_plan(self.counters, plan)
-        compiles = speculative.num_compiles()
+        compiles = stats_lib.num_compiles()
         call = self.model_runner.dispatch(plan)
         call.compiles = compiles
         return call

@@ -23,13 +23,10 @@ tokens computed).
 """
 from __future__ import annotations
 
-import functools
-
-import jax
 import numpy as np
 
 from paged_jax.core.sequence import Sequence
-from paged_jax.engine import ngram
+from paged_jax.engine import ngram, stats
 from paged_jax.engine.spec_config import SpeculativeConfig
 from paged_jax.worker import batching
 
@@ -41,25 +38,7 @@ COST_WEIGHT = 0.2  # how much one timed call moves the running cost of its kind
 PROBE_STEPS = 2  # decode steps of a call while speculating rows look for a match
 RESERVED_DRAFT = 0  # stands in the plan for a draft model's proposal, which the device writes
 MAX_QUIET_CALLS = 3  # calls planned ahead of their tokens after proposing found nothing (overlapped scheduling)
-
-_NUM_COMPILES = [0]  # jax's traces and backend compiles in this process, once a Speculator listens
-_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
-
-
-def _count_compiles(event, duration, **_):
-    if event in _COMPILE_EVENTS:
-        _NUM_COMPILES[0] += 1
-
-
-@functools.cache
-def _listen_for_compiles() -> None:  # once per process
-    jax.monitoring.register_event_duration_secs_listener(_count_compiles)
-
-
-def num_compiles() -> int:
-    """jax's traces and compiles in this process so far, once a Speculator exists: a call during
-    which jax compiled is not timed."""
-    return _NUM_COMPILES[0]
+AHEAD_WEIGHT = 0.2  # how much one row of an n-gram call planned ahead after a verification moves `ahead_gain`
 
 
 class Speculator:
@@ -75,6 +54,10 @@ class Speculator:
         self.costs: dict[tuple[str, int], float] = {}
         self._ahead = None  # (rows, `propose_ahead`'s proposals) until its plan runs or `propose` reads it
         self.prior = 1.0  # a new sequence's acceptance rate (`rate`): 1 until anything was verified
+        # n-gram: drafts accepted per row in calls planned ahead after a verification, where rows
+        # without drafts (none looked up in the host's prediction, or none found by the device in
+        # the true tokens) count 0: such a call is never a K-step decode (`plans_ahead`).
+        self.ahead_gain = float(config.num_speculative_tokens)
         self.lookup = ngram.PromptLookup(config.prompt_lookup_min, config.prompt_lookup_max)
         self._probing = False  # the last `propose` found rows to speculate but no match for any
         # Overlapped scheduling: proposing needs the last call's tokens, so a call is planned before
@@ -84,7 +67,7 @@ class Speculator:
         # Decide by the timed costs (else by the rows' acceptance alone): a multi-process engine's
         # processes must make the same calls, and their clocks differ.
         self.timed = timed
-        _listen_for_compiles()
+        stats.listen_for_compiles()
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -163,13 +146,23 @@ class Speculator:
         were timed (a call planned ahead is not: the device was busy when it was dispatched). A
         draft model's proposals are made on the device. n-gram: after a verification, unless a row
         that may propose was not looked up for it either (ngram.PromptLookup.unseen: its tokens
-        were PENDING and not predicted): no row goes two calls without a lookup."""
+        were PENDING and not predicted), so no row goes two calls without a lookup; and only while
+        such calls pay (`ahead_gain`): the rows' tokens assumed all accepted, the call is a
+        verification even where the drafts do not come, and planned from the true tokens it may be
+        a K-step decode. Declined, `ahead_gain` rests toward k as the rows' rates rest toward 1."""
         k, num_rows = self.config.num_speculative_tokens, len(running)
-        if self.config.method == "ngram" and not (prev.drafts and not any(
-                seq in self.lookup.unseen and self._wants_to_propose(seq) for seq in running)):
+        step, verify = self.costs.get(self.step_key(num_rows)), self.costs.get(self.verify_key(num_rows * (1 + k)))
+        if self.timed and (step is None or verify is None):
             return False
-        return not self.timed or (
-            self.step_key(num_rows) in self.costs and self.verify_key(num_rows * (1 + k)) in self.costs)
+        if self.config.method != "ngram":
+            return True
+        if not prev.drafts or any(seq in self.lookup.unseen and self._wants_to_propose(seq) for seq in running):
+            return False
+        gain = self.ahead_gain * sum(map(self._may_speculate, running))
+        pays = self._beats(gain, num_rows, step, verify) if self.timed else gain >= MIN_EXPECTED_PER_ROW * num_rows
+        if not pays:
+            self.ahead_gain += (k - self.ahead_gain) * RATE_RECOVERY
+        return pays
 
     def _wants_to_propose(self, seq: Sequence) -> bool:
         return self._may_speculate(seq) and self.rate(seq) * self.config.num_speculative_tokens >= MIN_EXPECTED_PER_ROW
@@ -199,7 +192,7 @@ class Speculator:
             return self.expects_enough(unmatched, num_rows)
         step = self.costs.get(self.step_key(num_rows))
         verify = self.costs.get(self.verify_key(num_rows + sum(len(d) for d in unmatched.values())))
-        return step is not None and verify is not None and self._beats(unmatched, num_rows, step, verify)
+        return step is not None and verify is not None and self._beats(self._gain(unmatched), num_rows, step, verify)
 
     def limit_decode(self, plan) -> None:
         """A plain decode call planned while speculating rows found no match, though a match would
@@ -223,11 +216,13 @@ class Speculator:
         verify = self.costs.get(self.verify_key(num_rows + sum(len(d) for d in found.values())))
         if verify is None:
             return self.expects_enough(found, num_rows)
-        return self._beats(found, num_rows, step, verify)
+        return self._beats(self._gain(found), num_rows, step, verify)
 
-    def _beats(self, found: dict[Sequence, list[int]], num_rows: int, step: float, verify: float) -> bool:
-        """A verification's expected tokens per second against a decode step's."""
-        return (num_rows + self._gain(found)) / verify >= num_rows / step
+    @staticmethod
+    def _beats(gain: float, num_rows: int, step: float, verify: float) -> bool:
+        """A verification's expected tokens per second (`gain`: drafts expected accepted) against
+        a decode step's."""
+        return (num_rows + gain) / verify >= num_rows / step
 
     def _gain(self, found: dict[Sequence, list[int]]) -> float:
         """Drafts the rows expect to have accepted: each row's rate times its drafts."""
@@ -260,7 +255,7 @@ class Speculator:
         """A call timed from its start on an idle device to its output, `compiles` jax's count when
         it started (none since, else its time is not a cost): a decode call's seconds per step, or a
         verification of decoding rows alone (a prefill chunk in the call would price it as well)."""
-        if compiles != _NUM_COMPILES[0]:
+        if compiles != stats.num_compiles():
             return
         if plan.is_decode and steps:
             self.observe(self.step_key(len(plan.scheduled)), seconds / steps)
@@ -270,11 +265,15 @@ class Speculator:
 
     def record_call(self, plan, output, progressed) -> None:
         """A call's verifications: the rows that took its output (`progressed`: (seq, row, new
-        tokens); a row finished while the call ran verified nothing) and had proposals."""
+        tokens); a row finished while the call ran verified nothing) and had proposals; and an
+        n-gram call's rows planned ahead after a verification (`ahead_gain`)."""
         for seq, row, _ in progressed:
             num_drafts = int(output.num_drafts[row]) if seq in plan.drafts else 0  # the device may find fewer
+            accepted = int(output.num_accepted[row]) if num_drafts else 0
             if num_drafts:
-                self.record(seq, num_drafts, int(output.num_accepted[row]))
+                self.record(seq, num_drafts, accepted)
+            if seq in plan.optimistic and self.config.method == "ngram" and self._may_speculate(seq):
+                self.ahead_gain += AHEAD_WEIGHT * (accepted - self.ahead_gain)
 
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """One verification of `num_drafts` proposals of `seq`, the first `num_accepted` accepted."""

@@ -2,6 +2,30 @@
 `LLMEngine.stats()` reports beside the scheduler's, the speculator's and the model runner's."""
 from __future__ import annotations
 
+import functools
+
+import jax
+
+_NUM_COMPILES = [0]  # jax's traces and backend compiles in this process, once `listen_for_compiles` ran
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
+
+
+def _count_compiles(event, duration, **_):
+    if event in _COMPILE_EVENTS:
+        _NUM_COMPILES[0] += 1
+
+
+@functools.cache
+def listen_for_compiles() -> None:
+    """Count jax's compiles from now on (once per process; a Speculator's timed costs need it)."""
+    jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+def num_compiles() -> int:
+    """jax's traces and compiles in this process so far, once counted: a call during which jax
+    compiled is not timed (engine/speculative.py)."""
+    return _NUM_COMPILES[0]
+
 
 def new_counters() -> dict:
     return dict(prompt_tokens=0, generation_tokens=0, prefill_tokens=0, prefill_steps=0, decode_calls=0,

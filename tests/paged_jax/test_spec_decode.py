@@ -3,6 +3,8 @@ configuration's checks, the rejection sampler's exactness (chi-square against th
 distribution, one-hot q and a draft's q), the controller that turns speculation down, the engine's
 greedy outputs equal to the plain engine's through preemption, prefix hits, stop strings and stop
 tokens inside accepted runs, and a draft model's pages kept in step with the target's."""
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,7 @@ from paged_jax.core.model_output import ModelOutput
 from paged_jax.core.plan import Plan
 from paged_jax.core.sequence import PENDING, Request, Sequence
 from paged_jax.engine import ngram, speculative
+from paged_jax.engine import stats as engine_stats
 from paged_jax.engine.arg_utils import EngineArgs
 from paged_jax.worker import batching, ngram_proposer, rejection_sampler
 from tests.models.model_testing import random_model, tiny_config
@@ -301,8 +304,8 @@ def test_a_call_verifies_when_its_tokens_per_second_beat_a_decode_step():
     spec.observe(spec.step_key(1), 0.010)
     spec.observe(spec.verify_key(5), 0.049)
     assert spec.costs == {("step", 1): 0.010, ("verify", 8): 0.049}
-    compiles = speculative.num_compiles()
-    speculative._NUM_COMPILES[0] += 1  # jax compiled during the call: its time is not a cost
+    compiles = engine_stats.num_compiles()
+    engine_stats._NUM_COMPILES[0] += 1  # jax compiled during the call: its time is not a cost
     spec.observe_call(Plan(scheduled=[(seq, 5)], drafts={seq: [4, 5, 6, 3]}), 1, 1.0, compiles)
     assert spec.costs[("verify", 8)] == 0.049
     spec.observe_call(Plan(scheduled=[(seq, 1)], is_decode=True), 2, 0.024, compiles + 1)
@@ -425,6 +428,55 @@ def test_calls_are_planned_ahead_only_while_proposing_finds_nothing():
     assert make().propose([repeating]) == {}  # no cost timed yet: a plain decode call first
     assert make(timed=False).propose([repeating]) == {repeating: [4, 5, 6, 3]}
 
+
+
+def test_ngram_calls_are_planned_after_a_verification_only_while_they_pay():
+    """Planned after a verification, a call assumes every draft accepted, so it verifies even where
+    no drafts come (none looked up in the host's prediction, or none found by the device in the
+    true tokens). Each of its rows moves `ahead_gain` AHEAD_WEIGHT of the way to the drafts it had
+    accepted (0 without drafts). k = 4, a decode step 10 ms and a verification of 5 tokens 30 ms:
+    planning ahead pays while the gain is >= 2 tokens a row; below, the call waits for the
+    verification's tokens, and each time the gain rests RATE_RECOVERY toward k. A draft model's
+    calls are planned ahead regardless; untimed, the gain must reach MIN_EXPECTED_PER_ROW."""
+    def make(method="ngram", timed=True):
+        spec = speculative.Speculator(speculative.SpeculativeConfig(method, 4, 1, 2), max_model_len=100,
+                                      max_num_seqs=8, max_num_batched_tokens=64, timed=timed)
+        spec.observe(spec.step_key(1), 0.010)
+        spec.observe(spec.verify_key(5), 0.030)
+        return spec
+
+    spec, seq = make(), _sequence([3, 4, 5, 6, 3, 4, 5, 6, 3])
+    verified = Plan(scheduled=[(seq, 5)], drafts={seq: [4, 5, 6, 3]})
+    assert spec.ahead_gain == 4 and spec.plans_ahead(verified, [seq])
+    assert not spec.plans_ahead(Plan(scheduled=[(seq, 1)], is_decode=True), [seq])  # after a decode call: quiet rules
+
+    def planned_ahead(drafts, found, accepted):
+        plan = Plan(scheduled=[(seq, 1 + len(drafts))], drafts={seq: drafts} if drafts else {}, optimistic={seq})
+        output = types.SimpleNamespace(num_drafts=np.array([found]), num_accepted=np.array([accepted]))
+        spec.record_call(plan, output, [(seq, 0, [])])
+
+    planned_ahead([0] * 4, found=3, accepted=3)  # the device found 3 drafts, all accepted
+    assert spec.ahead_gain == pytest.approx(3.8) and seq.spec_rate == 1.0
+    planned_ahead([0] * 4, found=0, accepted=0)  # none found: the row's rate keeps
+    planned_ahead([], found=0, accepted=0)  # none looked up: a call of 1 token
+    assert spec.ahead_gain == pytest.approx(3.8 * 0.8 * 0.8) and seq.spec_rate == 1.0
+    spec.record_call(Plan(scheduled=[(seq, 5)], drafts={seq: [4, 5, 6, 3]}),  # planned from its tokens: not counted
+                     types.SimpleNamespace(num_drafts=np.array([4]), num_accepted=np.array([0])), [(seq, 0, [])])
+    assert spec.ahead_gain == pytest.approx(3.8 * 0.8 * 0.8) and seq.spec_rate == 0.5
+    assert spec.plans_ahead(verified, [seq])  # 2.43
+    planned_ahead([0] * 4, found=4, accepted=0)
+    assert spec.ahead_gain == pytest.approx(3.8 * 0.8 ** 3) and not spec.plans_ahead(verified, [seq])  # 1.95
+    assert [spec.plans_ahead(verified, [seq]) for _ in range(2)] == [False, True]  # 1.99, 2.03
+    assert spec.ahead_gain == pytest.approx(4 - (4 - 3.8 * 0.8 ** 3) * (1 - speculative.RATE_RECOVERY) ** 2)
+
+    draft = make("draft_model")
+    draft.ahead_gain = 0.0  # not kept for a draft model: its drafts are made on the device
+    assert draft.plans_ahead(verified, [seq]) and draft.plans_ahead(Plan(scheduled=[(seq, 1)], is_decode=True), [seq])
+    untimed = make(timed=False)
+    untimed.ahead_gain = 0.5
+    assert untimed.plans_ahead(verified, [seq])
+    untimed.ahead_gain = 0.49
+    assert not untimed.plans_ahead(verified, [seq])
 
 def _output(tokens, accepted=None):
     """A call's output (core/model_output.py) of these tokens per row (-1 none)."""
