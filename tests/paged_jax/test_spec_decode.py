@@ -429,7 +429,6 @@ def test_calls_are_planned_ahead_only_while_proposing_finds_nothing():
     assert make(timed=False).propose([repeating]) == {repeating: [4, 5, 6, 3]}
 
 
-
 def test_ngram_calls_are_planned_after_a_verification_only_while_they_pay():
     """Planned after a verification, a call assumes every draft accepted, so it verifies even where
     no drafts come (none looked up in the host's prediction, or none found by the device in the
@@ -477,6 +476,7 @@ def test_ngram_calls_are_planned_after_a_verification_only_while_they_pay():
     assert untimed.plans_ahead(verified, [seq])
     untimed.ahead_gain = 0.49
     assert not untimed.plans_ahead(verified, [seq])
+
 
 def _output(tokens, accepted=None):
     """A call's output (core/model_output.py) of these tokens per row (-1 none)."""
