@@ -1,8 +1,18 @@
 """Tests run on CPU unless the caller chose a platform (JAX_PLATFORMS=cuda on a GPU machine)."""
+import contextlib
 import gc
+import importlib.metadata
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+FAST_COMPILES = os.environ["JAX_PLATFORMS"] == "cpu"
+# XLA:CPU's legacy fusion emitters compile a tiny model's programs about 2.5x faster than its new
+# MLIR ones (the same optimized HLO; jaxlib 0.10). XLA reads the flag once, from the environment,
+# so every CPU process of the suite gets it (the servers, the scripts). jaxlib 0.12 has only the new
+# emitters and aborts on a flag it does not know: from 0.11 on, the default stays.
+LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+if FAST_COMPILES and tuple(map(int, importlib.metadata.version("jaxlib").split(".")[:2])) < (0, 11):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {LEGACY_EMITTERS}".strip()
 if os.environ.get("PAGED_JAX_WITHOUT_TRITON"):
     from tests import without_triton
 
@@ -12,24 +22,38 @@ import jax  # noqa: E402  (after the platform is chosen)
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-FAST_COMPILES = os.environ["JAX_PLATFORMS"] == "cpu"
 if FAST_COMPILES:
     # XLA's compile is most of this suite's time (a tiny model's programs run in microseconds);
-    # LLVM's optimizations take a quarter of it. Off in this process only: the same HLO, and
-    # XLA:CPU's fast math is off at every level, so no float is reassociated. Subprocesses (the
-    # servers, the scripts, every compile for a GPU) keep jax's defaults.
+    # LLVM's optimizations take a quarter of it (with the legacy emitters, two thirds). Off in this
+    # process only: the same HLO, and XLA:CPU's fast math is off at every level, so no float is
+    # reassociated. Subprocesses (the servers, the scripts, every compile for a GPU) keep them.
     jax.config.update("jax_disable_most_optimizations", True)
+
+
+@contextlib.contextmanager
+def _optimized():
+    jax.config.update("jax_disable_most_optimizations", False)
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", FAST_COMPILES)
+        jax.clear_caches()
 
 
 @pytest.fixture
 def optimized_compiles():
-    """jax's default optimizations for one test that measures what it compiles (a profile's op
-    shares), its programs compiled afresh."""
-    jax.config.update("jax_disable_most_optimizations", False)
-    jax.clear_caches()
-    yield
-    jax.config.update("jax_disable_most_optimizations", FAST_COMPILES)
-    jax.clear_caches()
+    """jax's default optimizations for one test whose programs' run time outweighs their compile (a
+    real model's) or that measures what it compiles (a profile's op shares), compiled afresh."""
+    with _optimized():
+        yield
+
+
+@pytest.fixture(scope="module")
+def optimized_module():
+    """`optimized_compiles` for a whole module of a real model's tests (its engine built once)."""
+    with _optimized():
+        yield
 
 
 @pytest.fixture(autouse=True, scope="module")

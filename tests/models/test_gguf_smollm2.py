@@ -20,6 +20,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at",
            "The largest planet in the solar system is"]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 NEW_TOKENS = 32
+pytestmark = pytest.mark.usefixtures("optimized_module")  # a real model: its steps' run time outweighs their compile
 
 
 @pytest.fixture(scope="module")

@@ -48,7 +48,8 @@ class Job:
         self.url = f"http://127.0.0.1:{free_port()}"
         coordinator = f"127.0.0.1:{free_port()}"
         env = {k: v for k, v in os.environ.items() if k != "PAGED_JAX_API_KEY"}
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1", PYTHONPATH=str(ROOT))
+        flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=1"  # the suite's, and 1
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip(), PYTHONPATH=str(ROOT))
         self.logs = [open(tmp / f"process-{i}.log", "w+") for i in range(2)]
         self.deadline = time.monotonic() + JOB_LIMIT_S
         self.procs = [subprocess.Popen(

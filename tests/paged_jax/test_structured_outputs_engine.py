@@ -163,7 +163,7 @@ NAMES = ["Ada", "Linus", "Grace", "Alan", "Barbara", "Dennis", "Ken", "Margaret"
          "Frances", "John", "Radia", "Tim", "Guido", "Bjarne", "Anita", "Niklaus", "Leslie", "Sophie"]
 
 
-def test_smollm2_follows_schemas_regexes_and_choices(smollm2_gguf):
+def test_smollm2_follows_schemas_regexes_and_choices(smollm2_gguf, optimized_compiles):
     """A real instruction-tuned model, through its chat template: 20 requests for a nested JSON
     object (enums, an array, bounded integers, required fields) all validate, where the same
     prompts unconstrained do not; a date and an email regex and a choice list match; asked for

@@ -7,7 +7,7 @@ import json
 from scripts import baselines, benchmark_gguf
 
 
-def test_engine_and_transformers_side_by_side(smollm2_gguf, tmp_path, capsys):
+def test_engine_and_transformers_side_by_side(smollm2_gguf, tmp_path, capsys, optimized_compiles):
     out = tmp_path / "result.json"
     benchmark_gguf.main(["--model", str(smollm2_gguf), "--batch-sizes", "1", "2", "--output-len", "6",
                          "--threads", "1", "--no-llama-cpp", "--json", str(out)])
