@@ -11,7 +11,8 @@ FAST_COMPILES = os.environ["JAX_PLATFORMS"] == "cpu"
 # so every CPU process of the suite gets it (the servers, the scripts). jaxlib 0.12 has only the new
 # emitters and aborts on a flag it does not know: from 0.11 on, the default stays.
 LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
-if FAST_COMPILES and tuple(map(int, importlib.metadata.version("jaxlib").split(".")[:2])) < (0, 11):
+if (FAST_COMPILES and tuple(map(int, importlib.metadata.version("jaxlib").split(".")[:2])) < (0, 11)
+        and LEGACY_EMITTERS not in os.environ.get("XLA_FLAGS", "")):  # a pytest subprocess inherits it
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {LEGACY_EMITTERS}".strip()
 if os.environ.get("PAGED_JAX_WITHOUT_TRITON"):
     from tests import without_triton
