@@ -4,7 +4,7 @@ engine's tokens, finish reasons and logprob ids (speculation only on greedy rows
 keeps its distribution, not its draws), and each pool drains. Prompts share prefixes and repeat
 themselves (so n-gram drafts are found), the sampling parameters mix greedy and seeded rows, n > 1,
 top-k/top-p, stop tokens, penalties and logprobs, and the pools hold a few blocks more than the
-longest request, so most workloads preempt. A sweep: `pytest -m slow` (not in CI's run)."""
+longest request, tight enough to preempt. A sweep: `pytest -m slow` (not in CI's run)."""
 import jax
 import numpy as np
 import pytest
@@ -23,8 +23,8 @@ VARIANTS = {"async": {"async_scheduling": True},
 
 @pytest.fixture(autouse=True)
 def _drop_compiled_programs():
-    """Each workload's sizes compile their own programs; kept, eight of them pass Linux's limit of
-    memory maps (XLA maps regions for each CPU executable, test_spec_decode.py)."""
+    """Each workload's sizes compile their own programs; kept, a file of them can pass Linux's limit
+    of memory maps (XLA maps regions for each CPU executable; test_spec_decode.py)."""
     yield
     jax.clear_caches()
 
