@@ -76,6 +76,8 @@ class LLMEngine:
                                                   max_num_batched_tokens=c.max_num_batched_tokens,
                                                   timed=jax.process_count() == 1)
                            if args.speculative_config else None)
+        if self.speculator and args.speculative_config.method == "ngram":  # a grammar's drafts are the host's
+            self.speculator.constrain = self.structured_outputs.drafts
         self.async_scheduling = args.async_scheduling
         self.scheduler = (AsyncScheduler if self.async_scheduling else Scheduler)(
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,

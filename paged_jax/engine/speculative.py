@@ -20,6 +20,8 @@ verifies only when its expected tokens per second beat a plain decode step's, bo
 device as the engine runs (a verification of 1 + k tokens per row costs about one step where
 reading the weights dominates, a GPU at small batch, but several on a CPU, whose cost follows the
 tokens computed).
+With n-gram speculation, rows with a grammar (structured output) propose the tokens their grammar
+forces next, each position verified under the grammar's mask there (engine/structured_outputs.py).
 """
 from __future__ import annotations
 
@@ -46,8 +48,7 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int, *, max_num_seqs: int,
                  max_num_batched_tokens: int, timed: bool = True):
-        self.config = config
-        self.max_model_len = max_model_len
+        self.config, self.max_model_len = config, max_model_len
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         # Seconds per decode step by padded rows, per verification call by padded tokens (the
         # programs' shapes), from calls dispatched onto an idle device during which jax did not compile.
@@ -67,6 +68,7 @@ class Speculator:
         # Decide by the timed costs (else by the rows' acceptance alone): a multi-process engine's
         # processes must make the same calls, and their clocks differ.
         self.timed = timed
+        self.constrain = None  # (seq, room) -> drafts: an n-gram engine's StructuredOutputManager.drafts
         stats.listen_for_compiles()
         self.reset_counters()
 
@@ -96,6 +98,10 @@ class Speculator:
                 continue
             if c.method == "draft_model":  # the draft model fills them in on the device, in the call
                 found[seq] = [RESERVED_DRAFT] * room
+            elif seq.request.params.structured_outputs is not None:  # what its grammar forces, if any
+                drafts = self.constrain(seq, room)
+                if drafts:
+                    found[seq] = drafts
             else:
                 lookups[seq] = room
         unmatched = self._look_up(lookups, found)
@@ -220,8 +226,7 @@ class Speculator:
 
     @staticmethod
     def _beats(gain: float, num_rows: int, step: float, verify: float) -> bool:
-        """A verification's expected tokens per second (`gain`: drafts expected accepted) against
-        a decode step's."""
+        """Whether a verification's expected tokens per second (`gain`: drafts accepted) beat a step's."""
         return (num_rows + gain) / verify >= num_rows / step
 
     def _gain(self, found: dict[Sequence, list[int]]) -> float:
@@ -243,13 +248,11 @@ class Speculator:
         old = self.costs.get(key)
         self.costs[key] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
 
-    @staticmethod
-    def _may_speculate(seq: Sequence) -> bool:
-        """Rows whose next token the host must see first (beam search) or whose grammar masks each
-        token (structured output: the mask of a draft's successor needs the grammar advanced over
-        the draft) decode one token at a time."""
+    def _may_speculate(self, seq: Sequence) -> bool:
+        """Not rows whose next token the host must see first (beam search), nor rows with a grammar
+        unless `constrain` is set (n-gram: the host masks each position past their forced tokens)."""
         request = seq.request
-        return not request.one_step_per_call and request.params.structured_outputs is None
+        return self.constrain is not None if request.params.structured_outputs else not request.one_step_per_call
 
     def observe_call(self, plan, steps: int, seconds: float, compiles: int) -> None:
         """A call timed from its start on an idle device to its output, `compiles` jax's count when

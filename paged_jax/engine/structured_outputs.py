@@ -7,7 +7,9 @@ Each of its sequences gets a Matcher. Before every device call the host fills th
 the call's constrained rows (the sampler masks their logits); after it the matchers take the
 sampled tokens, and a sequence whose grammar is complete finishes with "stop". A constrained
 request decodes one token per call (`Request.one_step_per_call`): the next mask needs the token
-before it.
+before it. With n-gram speculation it proposes what its grammar forces (`drafts`), and a
+verification gets one mask per position, the grammar advanced over the drafts before it, so it
+keeps what the masked target would sample.
 
 llguidance loads with the first constrained request: an engine that never sees one never imports it.
 """
@@ -88,9 +90,13 @@ class StructuredOutputManager:
     def abort(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
 
-    def bitmask(self, seqs: list[Sequence], num_rows: int) -> np.ndarray | None:
+    def bitmask(self, seqs: list[Sequence], num_rows: int, drafts: dict | None = None,
+                width: int = 1) -> np.ndarray | None:
         """i32[num_rows, words]: row i allows what seqs[i]'s grammar allows next (every token for a
-        row without one, or a padding row); None when no row has a grammar."""
+        row without one, or a padding row); None when no row has a grammar. A verification whose
+        constrained rows have drafts (`drafts`: seq -> its proposals; `width`: the call's positions
+        per row, 1 + the most drafts): i32[num_rows, width, words], position j the mask after the
+        row's first j drafts (the ones past its drafts are never read)."""
         if not self._matchers:  # every call of an unconstrained workload: no per-row lookups
             return None
         matchers = [self._matchers.get(seq) for seq in seqs]
@@ -100,7 +106,20 @@ class StructuredOutputManager:
 
         mask = allocate_bitmask(num_rows, self._grammar_compiler().tokenizer.vocab_size)
         fill_bitmasks(matchers + [None] * (num_rows - len(seqs)), mask)
+        drafted = [(i, drafts[seq]) for i, (seq, m) in enumerate(zip(seqs, matchers))
+                   if m is not None and drafts and drafts.get(seq)]
+        if not drafted:
+            return mask
+        mask = np.repeat(mask[:, None], width, axis=1)
+        for i, row_drafts in drafted:
+            matchers[i].fill_draft_bitmasks(row_drafts, mask[i, 1:len(row_drafts) + 1])
         return mask
+
+    def drafts(self, seq: Sequence, room: int) -> list[int]:
+        """A constrained sequence's speculative proposals: what its grammar forces next, up to
+        `room` (Matcher.forced_tokens)."""
+        matcher = self._matchers.get(seq)
+        return [] if matcher is None else matcher.forced_tokens(room)
 
     def advance(self, progressed) -> tuple[list[Sequence], list[Sequence]]:
         """The matchers take each sequence's new tokens (`progressed`: the scheduler's (seq, row,

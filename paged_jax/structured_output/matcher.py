@@ -88,6 +88,38 @@ class Matcher:
             return next((i for i, t in enumerate(token_ids) if t not in self._eos), len(token_ids))
         return self._ll.validate_tokens(token_ids)
 
+    def forced_tokens(self, limit: int) -> list[int]:
+        """The tokens the grammar forces next (llguidance's fast-forward tokens: a JSON key, the
+        punctuation around it), up to `limit`, as speculative drafts: cut before a token that
+        completes the grammar (the request ends at that token, as without speculation, with no
+        token sampled after it)."""
+        if self._ll.is_stopped() or self._ll.is_error():
+            return []
+        tokens = [int(t) for t in self._ll.compute_ff_tokens()][:limit]
+        tokens = tokens[: self._ll.validate_tokens(tokens)]
+        for i, token in enumerate(tokens):
+            self._ll.consume_token(token)
+            if self._ll.is_stopped():
+                self._ll.rollback(i + 1)
+                return tokens[:i]
+        self._ll.rollback(len(tokens))
+        return tokens
+
+    def fill_draft_bitmasks(self, drafts: Sequence[int], bitmask: np.ndarray) -> None:
+        """bitmask: i32[len(drafts), words], row j <- the mask after drafts[: j + 1] (`drafts`
+        fits the grammar, as `forced_tokens` does); the matcher is left where it was."""
+        _check_bitmask(bitmask, self.vocab_size)
+        if bitmask.shape[0] != len(drafts):
+            raise ValueError(f"bitmask has {bitmask.shape[0]} rows for {len(drafts)} drafts")
+        drafts = [int(t) for t in drafts]
+        if self.validate_tokens(drafts) != len(drafts):
+            raise ValueError(f"drafts {drafts} do not fit the grammar past the first "
+                             f"{self.validate_tokens(drafts)}")
+        for j, token in enumerate(drafts):
+            self._ll.consume_token(token)
+            self._ll.unsafe_compute_mask_ptr(bitmask[j].ctypes.data, bitmask[j].nbytes)
+        self._ll.rollback(len(drafts))
+
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (rejected speculative tokens)."""
         if not 0 <= num_tokens <= self.num_tokens:

@@ -74,8 +74,9 @@ class ModelRunner:
         # block (both models' K/V with a draft, and the tokens with n-gram speculation).
         self.host = HostTransfers(self.state.caches, c.swap_space, c.uses_host_memory)
         self.num_host_blocks = self.host.num_blocks
-        # (seqs, num_rows) -> i32[num_rows, words] of the rows' allowed next tokens, or None: the
-        # engine's structured-output manager (engine/structured_outputs.py)
+        # (seqs, num_rows, drafts, width) -> i32[num_rows, words] of the rows' allowed next tokens
+        # (a verification of constrained drafts: [num_rows, width, words]), or None: the engine's
+        # structured-output manager (engine/structured_outputs.py)
         self.bitmask = None
         self.reset_counters()
 
@@ -149,7 +150,7 @@ class ModelRunner:
         batch = batching.prefill_batch(plan, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
                                        max_blocks_per_seq=c.max_blocks_per_seq, token_cap=c.max_num_batched_tokens,
                                        num_speculative_tokens=c.num_speculative_tokens)
-        sp = self._row_params(seqs, batch.slots.shape[0])
+        sp = self._row_params(seqs, batch.slots.shape[0], plan.drafts, batch.drafts.shape[1] + 1)
         return batch, sp, self._prefill_flags(seqs, plan, batch)
 
     def compile(self, plan: Plan) -> None:
@@ -199,8 +200,8 @@ class ModelRunner:
 
     # -- inputs --------------------------------------------------------------------------------
 
-    def _row_params(self, seqs, num_rows):
-        bitmask = self.bitmask(seqs, num_rows) if self.bitmask is not None else None
+    def _row_params(self, seqs, num_rows, drafts=None, width=1):
+        bitmask = self.bitmask(seqs, num_rows, drafts, width) if self.bitmask is not None else None
         return batching.row_params(seqs, num_rows, self.eos_token_ids, self.config.max_model_len, bitmask)
 
     def _flags(self, seqs) -> runner.Flags:

@@ -37,6 +37,8 @@ class SlotParams:
     max_len: jax.Array  # i32[max_seqs]; prompt + output tokens allowed (max_model_len)
     # Structured output: i32[max_seqs, ceil(vocab / 32)], bit t % 32 of word t // 32 allows token t
     # (-1: every token); [max_seqs, 0] when no row has a grammar, so those programs stay as they were.
+    # A verification of a grammar's drafts: i32[max_seqs, positions, words], one mask per position
+    # (worker/rejection_sampler.py).
     allowed: jax.Array
 
 

@@ -216,8 +216,9 @@ def test_speculative_config_from_the_command_line():
     assert EngineArgs(**args.kwargs()) == args and args.kwargs()["speculative_config"].model == "d"
 
 
-def _verify(logits, drafts, temperature, top_k=0, seed=0, draft_probs=None):
-    """Rows of one logits table [J, V], each with its own key; -> (tokens [B, J], num_accepted [B])."""
+def _verify(logits, drafts, temperature, top_k=0, seed=0, draft_probs=None, allowed=None):
+    """Rows of one logits table [J, V], each with its own key; `allowed`: the tokens a grammar allows
+    at each position (J sets, the same for every row), or None; -> (tokens [B, J], num_accepted [B])."""
     rows = drafts.shape[0]
     params = SamplingParams(temperature=temperature, top_k=top_k)
     keys = np.random.SeedSequence(seed).generate_state(2 * rows, np.uint32).reshape(rows, 2)
@@ -226,6 +227,9 @@ def _verify(logits, drafts, temperature, top_k=0, seed=0, draft_probs=None):
     sp = type(sp)(**{**sp.__dict__, "temperature": np.full(rows, temperature, np.float32),
                      "top_k": np.full(rows, params.top_k, np.int32), "key": keys,
                      "max_tokens": np.full(rows, 1 << 20, np.int32), "max_len": np.full(rows, 1 << 20, np.int32)})
+    if allowed is not None:  # one i32 word per position: bit t allows token t
+        words = np.array([[sum(1 << t for t in tokens)] for tokens in allowed], np.int32)
+        sp = type(sp)(**{**sp.__dict__, "allowed": np.broadcast_to(words, (rows, *words.shape))})
     out = jax.jit(rejection_sampler.verify, static_argnames=("filters", "num_logprobs", "random"))(
         jnp.broadcast_to(logits, (rows, *logits.shape)), jnp.asarray(drafts), sp, jnp.ones(rows, jnp.int32),
         jnp.full(rows, 8, jnp.int32), None, draft_probs, filters=top_k > 0, num_logprobs=0, random=temperature > 0)
@@ -292,6 +296,35 @@ def test_greedy_verification_accepts_the_argmax_prefix():
     tokens, accepted = _verify(jnp.asarray(LOGITS), drafts, 0.0)
     assert accepted.tolist() == [2, 1, 0, 1, 0]
     assert tokens.tolist() == [[0, 1, 3], [0, 1, -1], [0, -1, -1], [0, 1, -1], [0, -1, -1]]
+
+
+# A grammar's masks at three positions, each after the drafts before it (structured output).
+GRAMMAR = [{1, 4}, {2, 3, 5}, {4, 5}]
+
+
+def test_greedy_verification_under_a_grammar_takes_each_positions_own_mask():
+    """The best allowed token at each position: 1 (of 1, 4), 3 (of 2, 3, 5), then 5 (of 4, 5); with
+    position 0's mask at every position the second draft would lose to token 1."""
+    drafts = np.array([[1, 3], [1, 2], [4, 3]], np.int32)
+    tokens, accepted = _verify(jnp.asarray(LOGITS), drafts, 0.0, allowed=GRAMMAR)
+    assert accepted.tolist() == [2, 1, 0]
+    assert tokens.tolist() == [[1, 3, 5], [1, 3, -1], [1, -1, -1]]
+
+
+def test_rejection_sampling_under_a_grammar_keeps_the_masked_target_distribution():
+    """A constrained row's n-gram drafts (each allowed where it stands) verified with a mask per
+    position: every emitted token is distributed as the target restricted to that position's mask
+    (chi-square, p > 0.001), as plain constrained sampling draws it."""
+    rows = 40_000
+    tokens, accepted = _verify(jnp.asarray(LOGITS), np.tile(np.array([4, 3], np.int32), (rows, 1)), 1.0,
+                               allowed=GRAMMAR)
+    for position in range(3):
+        reached = np.all(tokens[:, :position] == np.array([4, 3][:position]), axis=1)
+        seen = tokens[reached, position]
+        p = np.where(np.isin(np.arange(6), list(GRAMMAR[position])), _target(LOGITS[position], 1.0), 0.0)
+        counts = np.bincount(seen, minlength=6)
+        assert counts[p == 0].sum() == 0 and seen.size > 500
+        assert stats.chisquare(counts[p > 0], p[p > 0] / p.sum() * seen.size).pvalue > 1e-3
 
 
 def test_a_call_verifies_when_its_tokens_per_second_beat_a_decode_step():

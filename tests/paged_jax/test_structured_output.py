@@ -317,6 +317,48 @@ def test_rollback(tok, compiler):
         m.rollback(99)
 
 
+COMPACT_PERSON = '{"name":"Ada","age":36,"address":{"city":"Paris","zip":"75001"},"tags":["b"]}'
+
+
+def test_forced_tokens_are_the_drafts_a_grammar_makes(tok, compiler):
+    compiled = compiler.compile(SOP(json=PERSON, disable_any_whitespace=True))
+    tokens = ids(tok, COMPACT_PERSON)
+    m = matcher.Matcher(compiled)
+    fresh = mask_of(m)
+    assert tok.decode(m.forced_tokens(8)) == '{"name'  # the object's first required key
+    assert tok.decode(m.forced_tokens(1)) == '{"'
+    np.testing.assert_array_equal(mask_of(m), fresh)  # proposing does not advance
+    assert m.accept(tokens[:11]) and tok.decode(tokens[:11]).endswith('"age":36,"')
+    assert tok.decode(m.forced_tokens(8)) == 'address":{"city'
+    assert m.accept(tokens[11:15]) and tok.decode(tokens[:15]).endswith('{"city')
+    assert m.forced_tokens(8) == []  # a key's end may be tokenized several ways
+    # The token that completes the grammar is never a draft: the request ends at it, with no
+    # token sampled after it (EOS, where the grammar has stopped).
+    whole = matcher.Matcher(compiler.compile(SOP(regex="abc-def")))  # every token forced
+    assert tok.decode(whole.forced_tokens(8)) == "abc-"  # not "def", which completes it
+    assert whole.accept(ids(tok, "abc-def")) and whole.is_finished and whole.forced_tokens(8) == []
+
+
+def test_draft_bitmasks_are_the_masks_after_each_draft(tok, compiler):
+    compiled = compiler.compile(SOP(json=PERSON, disable_any_whitespace=True))
+    tokens = ids(tok, COMPACT_PERSON)
+    m = matcher.Matcher(compiled)
+    assert m.accept(tokens[:15])
+    drafts = ids(tok, '":"Paris"')  # any tokens the grammar takes (here: a lookup of the prompt)
+    assert m.validate_tokens(drafts) == len(drafts) > 2
+    masks = tokenizer.allocate_bitmask(len(drafts), m.vocab_size)
+    m.fill_draft_bitmasks(drafts, masks)
+    walk = matcher.Matcher(compiled)
+    assert walk.accept(tokens[:15])
+    for j, token in enumerate(drafts):
+        assert walk.accept([token])
+        np.testing.assert_array_equal(masks[j], mask_of(walk), err_msg=f"after draft {j}")
+    assert m.num_tokens == 15 and m.accept(drafts)  # left where it was
+    with pytest.raises(ValueError, match=r"do not fit the grammar past the first 0"):
+        m.fill_draft_bitmasks(ids(tok, "}"), tokenizer.allocate_bitmask(1, m.vocab_size))
+    assert not m.is_error
+
+
 def test_fill_bitmasks_matches_row_by_row(tok, compiler):
     specs = [SOP(json=PERSON), SOP(regex="[0-9]+-[a-z]+"), SOP(choice=["yes", "no"]), SOP(json_object=True)]
     texts = [PERSON_TEXT, "123-abc", "yes", '{"k": [true]}']

@@ -113,6 +113,43 @@ def test_preempted_constrained_requests_resume_their_grammar(llm, mode):
     assert all(len(json.loads(o.text)) == 12 and o.finish_reason == "stop" for o in got)
 
 
+def test_ngram_speculation_drafts_what_the_grammar_forces_and_keeps_the_outputs(llm, untimed_speculation):
+    """With n-gram speculation, constrained rows propose the tokens their grammar forces (a JSON
+    key, the punctuation around it), each position verified under its own mask. On a pool small
+    enough to preempt, greedy outputs are the plain engine's, constrained or not; seeded sampled
+    rows parse; the constrained rows' drafts are nearly all accepted; every block comes back."""
+    from tests.paged_jax.engine_testing import assert_pool_drained
+
+    record = {"type": "object", "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 99}, "kind": {"enum": ["point", "line"]},
+        "label": {"type": "string", "maxLength": 4},
+        "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 2}},
+        "required": ["id", "kind", "label", "tags"], "additionalProperties": False}
+    schema = Spec(json=record, disable_any_whitespace=True)
+    greedy = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=s)
+              for s in (schema, Spec(regex=r"(abc|abd)-[0-9]{2}-(red|green)"), Spec(choice=["alpha", "beta"]))]
+    free = SamplingParams(temperature=0.0, max_tokens=40)
+    sampled = SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=60, structured_outputs=schema)
+    prompts = ["def parse(x):\n    return ", "key = ", "kind = ", "import os\n", "record = "]
+    params = greedy + [free, sampled]
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    spec_llm = LLM("models/embedded", max_num_seqs=8, max_model_len=160, num_blocks=7, log_stats=False,
+                   speculative_config=ngram)
+    constrained = spec_llm.generate(prompts[:3], greedy)  # constrained rows alone: their drafts
+    counts = spec_llm.stats()  # 23 of the 42 tokens: the keys, quotes, colons and commas
+    assert counts["spec_decode_num_draft_tokens"] >= 20
+    assert counts["spec_decode_num_accepted_tokens"] == counts["spec_decode_num_draft_tokens"]
+    want = llm.generate(prompts, params)
+    got = spec_llm.generate(prompts, params)
+    assert spec_llm.stats()["num_preemptions"] > 0
+    for w, g in zip(want[:4] + constrained, got[:4] + got[:3]):
+        assert [(c.token_ids, c.finish_reason) for c in g.outputs] == [(c.token_ids, c.finish_reason)
+                                                                      for c in w.outputs]
+    for c in got[4].outputs:
+        assert c.finish_reason == "stop" and jsonschema.validate(json.loads(c.text), record) is None
+    assert_pool_drained(spec_llm)
+
+
 def test_a_bad_grammar_is_refused_before_anything_is_queued(llm):
     engine = llm.engine
     with pytest.raises(ValueError, match=r"^regex: invalid regex"):
