@@ -57,6 +57,16 @@ def optimized_module():
         yield
 
 
+@pytest.fixture
+def drop_compiled_programs():
+    """Drop the compiled programs after each test of a file whose engines each compile their own
+    (a draft's, the n-gram token pages', each pool's size): kept, one process running such a file
+    passed Linux's limit of 65530 memory maps (XLA maps about 250 regions for each CPU executable
+    on jaxlib 0.12), where a compile aborts."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drop each module's compiled programs when it is done: kept, a whole run grew to 5.7 GB of

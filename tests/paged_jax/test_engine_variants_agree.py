@@ -5,7 +5,6 @@ keeps its distribution, not its draws), and each pool drains. Prompts share pref
 themselves (so n-gram drafts are found), the sampling parameters mix greedy and seeded rows, n > 1,
 top-k/top-p, stop tokens, penalties and logprobs, and the pools hold a few blocks more than the
 longest request, tight enough to preempt. A sweep: `pytest -m slow` (not in CI's run)."""
-import jax
 import numpy as np
 import pytest
 
@@ -13,20 +12,12 @@ from paged_jax import LLM, SamplingParams
 from tests.models.model_testing import random_model, tiny_config
 from tests.paged_jax.engine_testing import assert_pool_drained
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("drop_compiled_programs")]
 VARIANTS = {"async": {"async_scheduling": True},
             "swap": {"preemption_mode": "swap", "swap_space": 0.01, "enable_host_prefix_cache": True},
             "ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
                                              "prompt_lookup_min": 1, "prompt_lookup_max": 3}},
             "no prefix caching": {"enable_prefix_caching": False}}
-
-
-@pytest.fixture(autouse=True)
-def _drop_compiled_programs():
-    """Each workload's sizes compile their own programs; kept, a file of them can pass Linux's limit
-    of memory maps (XLA maps regions for each CPU executable; test_spec_decode.py)."""
-    yield
-    jax.clear_caches()
 
 
 @pytest.fixture(scope="module")

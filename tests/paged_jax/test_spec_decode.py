@@ -24,22 +24,13 @@ from tests.models.model_testing import random_model, tiny_config
 from tests.paged_jax.engine_testing import assert_pool_drained
 from tests.paged_jax.test_engine_api import greedy_reference, word_tokenizer
 
+pytestmark = pytest.mark.usefixtures("drop_compiled_programs")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 def _draft(model, k=3):
     """A draft model's speculative_config (a model object or a checkpoint path)."""
     return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
-
-
-@pytest.fixture(autouse=True)
-def _drop_compiled_programs():
-    """Each engine here compiles its own programs (a draft's, the n-gram token pages', each pool's
-    size), which jit keeps for the process; XLA maps memory regions for each CPU executable, and a
-    process running this whole file passed Linux's limit of 65530 maps, where a compile aborts.
-    Dropped after each test."""
-    yield
-    jax.clear_caches()
 
 
 @pytest.fixture(scope="module")
