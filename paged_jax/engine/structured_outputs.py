@@ -22,6 +22,7 @@ import weakref
 import numpy as np
 
 from paged_jax.core.sequence import Request, Sequence
+from paged_jax.worker import batching
 
 
 class StructuredOutputManager:
@@ -91,29 +92,35 @@ class StructuredOutputManager:
         self._pending.pop(request_id, None)
 
     def bitmask(self, seqs: list[Sequence], num_rows: int, drafts: dict | None = None,
-                width: int = 1) -> np.ndarray | None:
-        """i32[num_rows, words]: row i allows what seqs[i]'s grammar allows next (every token for a
-        row without one, or a padding row); None when no row has a grammar. A verification whose
-        constrained rows have drafts (`drafts`: seq -> its proposals; `width`: the call's positions
-        per row, 1 + the most drafts): i32[num_rows, width, words], position j the mask after the
-        row's first j drafts (the ones past its drafts are never read)."""
+                width: int = 1) -> tuple[np.ndarray, np.ndarray] | None:
+        """The masks of the rows with a grammar alone (SlotParams.allowed, mask_row): i32[masks,
+        words], mask i what its row's grammar allows next, their count padded to a power of two,
+        and i32[num_rows], each row's mask or -1 (no grammar, or a padding row); None when no row
+        has one. A verification whose constrained rows have drafts (`drafts`: seq -> its
+        proposals; `width`: the call's positions per row, 1 + the most drafts): i32[masks, width,
+        words], position j the mask after the row's first j drafts (those past its drafts are
+        never read). A batch of 256 rows with one grammar sends one row, not 256 (vocab 128k: 16
+        KB, not 4 MB)."""
         if not self._matchers:  # every call of an unconstrained workload: no per-row lookups
             return None
-        matchers = [self._matchers.get(seq) for seq in seqs]
-        if not any(m is not None for m in matchers):
+        rows = [(i, m) for i, m in enumerate(map(self._matchers.get, seqs)) if m is not None]
+        if not rows:
             return None
         from paged_jax.structured_output import allocate_bitmask, fill_bitmasks
 
-        mask = allocate_bitmask(num_rows, self._grammar_compiler().tokenizer.vocab_size)
-        fill_bitmasks(matchers + [None] * (num_rows - len(seqs)), mask)
-        drafted = [(i, drafts[seq]) for i, (seq, m) in enumerate(zip(seqs, matchers))
-                   if m is not None and drafts and drafts.get(seq)]
+        mask_row = np.full(num_rows, -1, np.int32)
+        mask_row[[i for i, _ in rows]] = np.arange(len(rows))
+        matchers = [m for _, m in rows]
+        count = batching.bucket(len(rows), num_rows)
+        mask = allocate_bitmask(count, self._grammar_compiler().tokenizer.vocab_size)
+        fill_bitmasks(matchers + [None] * (count - len(rows)), mask)
+        drafted = [(k, drafts[seqs[i]]) for k, (i, _) in enumerate(rows) if drafts and drafts.get(seqs[i])]
         if not drafted:
-            return mask
+            return mask, mask_row
         mask = np.repeat(mask[:, None], width, axis=1)
-        for i, row_drafts in drafted:
-            matchers[i].fill_draft_bitmasks(row_drafts, mask[i, 1:len(row_drafts) + 1])
-        return mask
+        for k, row_drafts in drafted:
+            matchers[k].fill_draft_bitmasks(row_drafts, mask[k, 1:len(row_drafts) + 1])
+        return mask, mask_row
 
     def drafts(self, seq: Sequence, room: int) -> list[int]:
         """A constrained sequence's speculative proposals: what its grammar forces next, up to

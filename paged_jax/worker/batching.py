@@ -203,9 +203,9 @@ def stop_ids(seq: Sequence, eos_token_ids) -> list[int]:
 
 
 def row_params(seqs: list[Sequence], num_rows: int, eos_token_ids, max_model_len: int,
-               bitmask: np.ndarray | None = None) -> sampler.SlotParams:
-    """The sampling parameters of each batch row (padding rows idle); `bitmask`: i32[num_rows,
-    words], each row's allowed next tokens (structured output), or None."""
+               bitmask: tuple[np.ndarray, np.ndarray] | None = None) -> sampler.SlotParams:
+    """The sampling parameters of each batch row (padding rows idle); `bitmask`: the grammars'
+    masks and each row's (SlotParams.allowed, mask_row; structured output), or None."""
     rows = [(s.request.params, s.key, stop_ids(s, eos_token_ids), max_model_len) for s in seqs]
     rows += [None] * (num_rows - len(rows))
     width = max([8] + [len(r[2]) for r in rows if r is not None])

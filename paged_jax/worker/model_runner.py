@@ -74,9 +74,9 @@ class ModelRunner:
         # block (both models' K/V with a draft, and the tokens with n-gram speculation).
         self.host = HostTransfers(self.state.caches, c.swap_space, c.uses_host_memory)
         self.num_host_blocks = self.host.num_blocks
-        # (seqs, num_rows, drafts, width) -> i32[num_rows, words] of the rows' allowed next tokens
-        # (a verification of constrained drafts: [num_rows, width, words]), or None: the engine's
-        # structured-output manager (engine/structured_outputs.py)
+        # (seqs, num_rows, drafts, width) -> the masks of the rows' allowed next tokens and each
+        # row's (SlotParams.allowed, mask_row), or None: the engine's structured-output manager
+        # (engine/structured_outputs.py)
         self.bitmask = None
         self.reset_counters()
 

@@ -36,8 +36,8 @@ def verify(logits, drafts, sp: sampler.SlotParams, num_output, total_len, penalt
     sampled at position 0 (as `sampler.stop_check` takes them); penalties: (output_counts i32[B, V],
     prompt_mask bool[B, V]) or None; draft_probs: f32[B, J - 1, V], the distribution q each draft
     was drawn from (a draft model's), or None for one-hot q (n-gram proposals, a greedy draft);
-    `sp.allowed`: a grammar's mask per row, or per row and position (i32[B, J, words]: position j's
-    after the row's drafts before it, so a grammar's drafts are verified as it samples). A row
+    `sp.allowed`: a grammar's mask per row, or per row and position (i32[masks, J, words]: position
+    j's after the row's drafts before it, so a grammar's drafts are verified as it samples). A row
     stops at its first stop token or length limit, accepted draft or not, so its output ends where
     plain decoding's would.
     """
@@ -49,10 +49,12 @@ def verify(logits, drafts, sp: sampler.SlotParams, num_output, total_len, penalt
     def flat(x):  # per-row values repeated for each of the row's positions
         return jnp.repeat(x, width, axis=0)
 
-    per_position = sp.allowed.ndim == 3  # a grammar's mask at each position, past the drafts before it
-    fsp = jax.tree.map(flat, dataclasses.replace(sp, allowed=sp.allowed[:, 0]) if per_position else sp)
-    if per_position:
-        fsp = dataclasses.replace(fsp, allowed=sp.allowed.reshape(rows * width, -1))
+    fsp = jax.tree.map(flat, dataclasses.replace(sp, allowed=sp.allowed[:0]))  # a row's mask at each position
+    allowed, mask_row = sp.allowed, fsp.mask_row
+    if allowed.ndim == 3:  # a grammar's mask per position, past the drafts before it
+        mask_row = jnp.where(mask_row >= 0, mask_row * width + jnp.tile(position, rows), -1)
+        allowed = allowed.reshape(-1, allowed.shape[-1])
+    fsp = dataclasses.replace(fsp, allowed=allowed, mask_row=mask_row)
     before = (num_output[:, None] - 1 + position).reshape(-1)  # output tokens before position j's token
     pens = None
     if penalties is not None:  # position j also counts drafts 0 .. j - 1 as output

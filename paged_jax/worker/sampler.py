@@ -35,11 +35,12 @@ class SlotParams:
     min_tokens: jax.Array  # i32[max_seqs]
     max_tokens: jax.Array  # i32[max_seqs]; output tokens allowed
     max_len: jax.Array  # i32[max_seqs]; prompt + output tokens allowed (max_model_len)
-    # Structured output: i32[max_seqs, ceil(vocab / 32)], bit t % 32 of word t // 32 allows token t
-    # (-1: every token); [max_seqs, 0] when no row has a grammar, so those programs stay as they were.
-    # A verification of a grammar's drafts: i32[max_seqs, positions, words], one mask per position
-    # (worker/rejection_sampler.py).
+    # Structured output: the masks of the rows with a grammar alone (vLLM sends the same), i32[masks,
+    # ceil(vocab / 32)], bit t % 32 of word t // 32 allowing token t; a verification of a grammar's
+    # drafts has one per position, i32[masks, positions, words] (worker/rejection_sampler.py).
+    # [0, 0] when no row has a grammar, so those programs stay as they were.
     allowed: jax.Array
+    mask_row: jax.Array  # i32[max_seqs]: the slot's mask in `allowed`; -1: no grammar (every token)
 
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -47,9 +48,9 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency
 
 
 def slot_params(rows: list[tuple[SamplingParams, np.ndarray, list[int], int] | None], max_stop_ids: int,
-                bitmask: np.ndarray | None = None):
+                bitmask: tuple[np.ndarray, np.ndarray] | None = None):
     """Host: SlotParams from one entry per slot, (params, key u32[2], stop ids, max_len) or None for
-    an idle slot; `bitmask`: i32[slots, words], the tokens each row's grammar allows next, or None."""
+    an idle slot; `bitmask`: the grammars' (allowed, mask_row), or None when no row has one."""
     idle = (SamplingParams(temperature=0.0), np.zeros(2, np.uint32), [], 1)
     rows = [row or idle for row in rows]
     stop = np.full((len(rows), max_stop_ids), -1, np.int32)
@@ -63,7 +64,8 @@ def slot_params(rows: list[tuple[SamplingParams, np.ndarray, list[int], int] | N
         min_tokens=np.array([p.min_tokens for p, *_ in rows], np.int32),
         max_tokens=np.array([m if p.max_tokens is None else p.max_tokens for p, _, _, m in rows], np.int32),
         max_len=np.array([m for *_, m in rows], np.int32),
-        allowed=np.zeros((len(rows), 0), np.int32) if bitmask is None else bitmask,
+        allowed=np.zeros((0, 0), np.int32) if bitmask is None else bitmask[0],
+        mask_row=np.full(len(rows), -1, np.int32) if bitmask is None else bitmask[1],
     )
 
 
@@ -135,7 +137,8 @@ def prepare(logits, sp: SlotParams, num_output, penalties=None):
     model's, masked, which logprobs score; lse f32[S] of raw; the logits to sample f32[S, V])."""
     logits = logits.astype(jnp.float32)
     if sp.allowed.shape[-1]:  # static: only programs whose batch holds a grammar's row mask
-        logits = apply_token_bitmask(logits, sp.allowed)
+        masks = sp.allowed[jnp.maximum(sp.mask_row, 0)]  # each row's, all tokens where it has none
+        logits = apply_token_bitmask(logits, jnp.where((sp.mask_row >= 0)[:, None], masks, -1))
     raw = logits  # logprob(t) = raw[t] - logsumexp(raw): one pass, no S x V log-softmax written out
     lse = jax.nn.logsumexp(raw, axis=-1)
     if penalties is not None:

@@ -97,7 +97,7 @@ def test_a_rows_draw_depends_only_on_its_key_and_index():
     idx = jnp.array([0, 3, 5, 7])
     tokens = sampler.sample(logits, sp, idx, filters=False, num_logprobs=0)[0]
     perm = np.array([2, 0, 3, 1])
-    permuted = jax.tree.map(lambda a: np.asarray(a)[perm], sp)
+    permuted = type(sp)(**{k: v if k == "allowed" else np.asarray(v)[perm] for k, v in vars(sp).items()})  # per row
     tokens_perm = sampler.sample(logits[perm], permuted, idx[perm], filters=False, num_logprobs=0)[0]
     assert np.asarray(tokens)[perm].tolist() == np.asarray(tokens_perm).tolist()
     # The empirical distribution of one row over many indices follows softmax(logits / T).

@@ -218,9 +218,9 @@ def _verify(logits, drafts, temperature, top_k=0, seed=0, draft_probs=None, allo
     sp = type(sp)(**{**sp.__dict__, "temperature": np.full(rows, temperature, np.float32),
                      "top_k": np.full(rows, params.top_k, np.int32), "key": keys,
                      "max_tokens": np.full(rows, 1 << 20, np.int32), "max_len": np.full(rows, 1 << 20, np.int32)})
-    if allowed is not None:  # one i32 word per position: bit t allows token t
-        words = np.array([[sum(1 << t for t in tokens)] for tokens in allowed], np.int32)
-        sp = type(sp)(**{**sp.__dict__, "allowed": np.broadcast_to(words, (rows, *words.shape))})
+    if allowed is not None:  # one mask for every row, one i32 word per position: bit t allows token t
+        words = np.array([[[sum(1 << t for t in tokens)] for tokens in allowed]], np.int32)
+        sp = type(sp)(**{**sp.__dict__, "allowed": words, "mask_row": np.zeros(rows, np.int32)})
     out = jax.jit(rejection_sampler.verify, static_argnames=("filters", "num_logprobs", "random"))(
         jnp.broadcast_to(logits, (rows, *logits.shape)), jnp.asarray(drafts), sp, jnp.ones(rows, jnp.int32),
         jnp.full(rows, 8, jnp.int32), None, draft_probs, filters=top_k > 0, num_logprobs=0, random=temperature > 0)

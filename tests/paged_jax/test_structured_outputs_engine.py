@@ -78,14 +78,30 @@ def test_logprobs_are_of_the_masked_distribution_and_prefix_hits_keep_the_gramma
     assert sum(np.exp(e.logprob) for e in finite.values()) <= 1 + 1e-5
 
 
-def test_constrained_and_unconstrained_requests_share_a_batch(llm):
+def test_constrained_and_unconstrained_requests_share_a_batch(llm, monkeypatch):
+    """The device gets the constrained rows' masks alone, and each row's index into them."""
     prompts = ["import os\n", "class A:\n", "x = "]
     free = SamplingParams(temperature=0.0, max_tokens=24)
     alone = [o.outputs[0].token_ids for o in llm.generate(prompts, free)]
     choice = Spec(choice=["yes", "no"])
     sampled = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=8, structured_outputs=choice)
+    runner, sent = llm.engine.model_runner, []
+    bitmask = runner.bitmask
+    monkeypatch.setattr(runner, "bitmask", lambda seqs, *a: sent.append((seqs, bitmask(seqs, *a))) or sent[-1][1])
     mixed = llm.generate(prompts + ["y = "], [free] * 3 + [sampled])
     assert [o.outputs[0].token_ids for o in mixed[:3]] == alone  # their rows were not masked
+    mixed_calls = 0
+    for seqs, got in sent:
+        grammar = [s.request.params.structured_outputs is not None for s in seqs]
+        if not any(grammar):
+            assert got is None
+            continue
+        masks, mask_row = got
+        count = sum(grammar)
+        mixed_calls += count < len(seqs)
+        assert masks.shape[0] == 1 << (count - 1).bit_length()  # 3 constrained rows: 4 masks, not 8
+        assert mask_row.tolist() == list(np.cumsum(grammar) * grammar - 1) + [-1] * (mask_row.size - len(seqs))
+    assert mixed_calls > 0
     assert [c.text in ("yes", "no") and c.finish_reason == "stop" for c in mixed[3].outputs] == [True] * 3
     before = llm.engine.structured_outputs.stats()
     again = llm.generate(["z = "], SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=choice))
