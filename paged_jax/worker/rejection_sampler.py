@@ -36,8 +36,9 @@ def verify(logits, drafts, sp: sampler.SlotParams, num_output, total_len, penalt
     sampled at position 0 (as `sampler.stop_check` takes them); penalties: (output_counts i32[B, V],
     prompt_mask bool[B, V]) or None; draft_probs: f32[B, J - 1, V], the distribution q each draft
     was drawn from (a draft model's), or None for one-hot q (n-gram proposals, a greedy draft);
-    `sp.allowed`: a grammar's mask per row, or per row and position (i32[masks, J, words]: position
-    j's after the row's drafts before it, so a grammar's drafts are verified as it samples). A row
+    `sp.allowed`, `sp.mask_row`: the grammars' masks and each row's, one per row or one per
+    position (i32[masks, J, words]: position j's after the row's drafts before it, so a grammar's
+    drafts are verified as it samples). A row
     stops at its first stop token or length limit, accepted draft or not, so its output ends where
     plain decoding's would.
     """
@@ -49,7 +50,7 @@ def verify(logits, drafts, sp: sampler.SlotParams, num_output, total_len, penalt
     def flat(x):  # per-row values repeated for each of the row's positions
         return jnp.repeat(x, width, axis=0)
 
-    fsp = jax.tree.map(flat, dataclasses.replace(sp, allowed=sp.allowed[:0]))  # a row's mask at each position
+    fsp = jax.tree.map(flat, dataclasses.replace(sp, allowed=sp.allowed[:0]))  # `allowed` is not per row
     allowed, mask_row = sp.allowed, fsp.mask_row
     if allowed.ndim == 3:  # a grammar's mask per position, past the drafts before it
         mask_row = jnp.where(mask_row >= 0, mask_row * width + jnp.tile(position, rows), -1)
