@@ -207,9 +207,10 @@ def test_speculative_config_from_the_command_line():
     assert EngineArgs(**args.kwargs()) == args and args.kwargs()["speculative_config"].model == "d"
 
 
-def _verify(logits, drafts, temperature, top_k=0, seed=0, draft_probs=None, allowed=None):
+def _verify(logits, drafts, temperature, top_k=0, seed=0, draft_probs=None, allowed=None, masked=None):
     """Rows of one logits table [J, V], each with its own key; `allowed`: the tokens a grammar allows
-    at each position (J sets, the same for every row), or None; -> (tokens [B, J], num_accepted [B])."""
+    at each position (J sets), or None; `masked`: the rows it constrains (default: every row);
+    -> (tokens [B, J], num_accepted [B])."""
     rows = drafts.shape[0]
     params = SamplingParams(temperature=temperature, top_k=top_k)
     keys = np.random.SeedSequence(seed).generate_state(2 * rows, np.uint32).reshape(rows, 2)
@@ -218,9 +219,10 @@ def _verify(logits, drafts, temperature, top_k=0, seed=0, draft_probs=None, allo
     sp = type(sp)(**{**sp.__dict__, "temperature": np.full(rows, temperature, np.float32),
                      "top_k": np.full(rows, params.top_k, np.int32), "key": keys,
                      "max_tokens": np.full(rows, 1 << 20, np.int32), "max_len": np.full(rows, 1 << 20, np.int32)})
-    if allowed is not None:  # one mask for every row, one i32 word per position: bit t allows token t
+    if allowed is not None:  # one mask, one i32 word per position: bit t allows token t
         words = np.array([[[sum(1 << t for t in tokens)] for tokens in allowed]], np.int32)
-        sp = type(sp)(**{**sp.__dict__, "allowed": words, "mask_row": np.zeros(rows, np.int32)})
+        mask_row = np.zeros(rows, np.int32) if masked is None else np.where(masked, 0, -1).astype(np.int32)
+        sp = type(sp)(**{**sp.__dict__, "allowed": words, "mask_row": mask_row})
     out = jax.jit(rejection_sampler.verify, static_argnames=("filters", "num_logprobs", "random"))(
         jnp.broadcast_to(logits, (rows, *logits.shape)), jnp.asarray(drafts), sp, jnp.ones(rows, jnp.int32),
         jnp.full(rows, 8, jnp.int32), None, draft_probs, filters=top_k > 0, num_logprobs=0, random=temperature > 0)
@@ -295,11 +297,12 @@ GRAMMAR = [{1, 4}, {2, 3, 5}, {4, 5}]
 
 def test_greedy_verification_under_a_grammar_takes_each_positions_own_mask():
     """The best allowed token at each position: 1 (of 1, 4), 3 (of 2, 3, 5), then 5 (of 4, 5); with
-    position 0's mask at every position the second draft would lose to token 1."""
-    drafts = np.array([[1, 3], [1, 2], [4, 3]], np.int32)
-    tokens, accepted = _verify(jnp.asarray(LOGITS), drafts, 0.0, allowed=GRAMMAR)
-    assert accepted.tolist() == [2, 1, 0]
-    assert tokens.tolist() == [[1, 3, 5], [1, 3, -1], [1, -1, -1]]
+    position 0's mask at every position the second draft would lose to token 1. A row without a
+    grammar in the same call takes the plain argmax (0, 1, 3)."""
+    drafts = np.array([[1, 3], [1, 2], [4, 3], [0, 1]], np.int32)
+    tokens, accepted = _verify(jnp.asarray(LOGITS), drafts, 0.0, allowed=GRAMMAR, masked=[True] * 3 + [False])
+    assert accepted.tolist() == [2, 1, 0, 2]
+    assert tokens.tolist() == [[1, 3, 5], [1, 3, -1], [1, -1, -1], [0, 1, 3]]
 
 
 def test_rejection_sampling_under_a_grammar_keeps_the_masked_target_distribution():
