@@ -112,14 +112,14 @@ class StructuredOutputManager:
         mask_row[[i for i, _ in rows]] = np.arange(len(rows))
         matchers = [m for _, m in rows]
         count = batching.bucket(len(rows), num_rows)
-        mask = allocate_bitmask(count, self._grammar_compiler().tokenizer.vocab_size)
-        fill_bitmasks(matchers + [None] * (count - len(rows)), mask)
-        drafted = [(k, drafts[seqs[i]]) for k, (i, _) in enumerate(rows) if drafts and drafts.get(seqs[i])]
-        if not drafted:
+        padded = matchers + [None] * (count - len(rows))
+        vocab_size = self._grammar_compiler().tokenizer.vocab_size
+        if not any(drafts and drafts.get(seqs[i]) for i, _ in rows):
+            mask = allocate_bitmask(count, vocab_size)
+            fill_bitmasks(padded, mask)
             return mask, mask_row
-        mask = np.repeat(mask[:, None], width, axis=1)
-        for k, row_drafts in drafted:
-            matchers[k].fill_draft_bitmasks(row_drafts, mask[k, 1:len(row_drafts) + 1])
+        mask = allocate_bitmask(count * width, vocab_size).reshape(count, width, -1)
+        fill_bitmasks(padded, mask, drafts=[drafts.get(seqs[i], []) for i, _ in rows] + [[]] * (count - len(rows)))
         return mask, mask_row
 
     def drafts(self, seq: Sequence, room: int) -> list[int]:

@@ -105,21 +105,6 @@ class Matcher:
         self._ll.rollback(len(tokens))
         return tokens
 
-    def fill_draft_bitmasks(self, drafts: Sequence[int], bitmask: np.ndarray) -> None:
-        """bitmask: i32[len(drafts), words], row j <- the mask after drafts[: j + 1] (`drafts`
-        fits the grammar, as `forced_tokens` does); the matcher is left where it was."""
-        _check_bitmask(bitmask, self.vocab_size)
-        if bitmask.shape[0] != len(drafts):
-            raise ValueError(f"bitmask has {bitmask.shape[0]} rows for {len(drafts)} drafts")
-        drafts = [int(t) for t in drafts]
-        if self.validate_tokens(drafts) != len(drafts):
-            raise ValueError(f"drafts {drafts} do not fit the grammar past the first "
-                             f"{self.validate_tokens(drafts)}")
-        for j, token in enumerate(drafts):
-            self._ll.consume_token(token)
-            self._ll.unsafe_compute_mask_ptr(bitmask[j].ctypes.data, bitmask[j].nbytes)
-        self._ll.rollback(len(drafts))
-
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (rejected speculative tokens)."""
         if not 0 <= num_tokens <= self.num_tokens:
@@ -164,29 +149,49 @@ _EXECUTOR: llguidance.LLExecutor | None = None
 
 
 def fill_bitmasks(matchers: Sequence[Matcher | None], bitmask: np.ndarray, *,
+                  drafts: Sequence[Sequence[int]] | None = None,
                   executor: llguidance.LLExecutor | None = None) -> None:
     """Row i of bitmask (i32[len(matchers), words]) <- matchers[i]'s mask; None -> all allowed.
+    With `drafts` (speculative proposals that fit each grammar, as `Matcher.forced_tokens` makes
+    them): bitmask i32[len(matchers), positions, words], position j of row i <- the mask after
+    drafts[i][:j] (the positions past a row's drafts are left as they are); the matchers end where
+    they were.
 
-    One call into llguidance's thread pool (`fill_next_token_bitmask_par`), which computes the rows
-    in parallel with the GIL released."""
-    if bitmask.ndim != 2 or bitmask.shape[0] != len(matchers):
-        raise ValueError(f"bitmask must have one row per matcher ({len(matchers)}), got shape "
-                         f"{getattr(bitmask, 'shape', None)}")
-    live = [(m._ll, i) for i, m in enumerate(matchers) if m is not None]
+    Calls into llguidance's thread pool (`fill_next_token_bitmask_par`, and its
+    `_with_draft_tokens` form for rows with drafts), which computes the rows in parallel with the GIL
+    released."""
+    positions = bitmask.shape[1] if drafts is not None and bitmask.ndim == 3 else 1
+    if (bitmask.ndim != (2 if drafts is None else 3) or bitmask.shape[0] != len(matchers) or drafts is not None
+            and (len(drafts) != len(matchers) or any(len(d) >= positions for d in drafts))):
+        raise ValueError(f"bitmask must have one row per matcher ({len(matchers)})"
+                         + ("" if drafts is None else ", a position per draft and one more")
+                         + f", got shape {getattr(bitmask, 'shape', None)}")
+    # The pointer calls write through a [rows * positions, words] view: a copy would lose them.
+    flat = bitmask.reshape(-1, bitmask.shape[-1]) if bitmask.flags["C_CONTIGUOUS"] else bitmask
     vocab_sizes = {m.vocab_size for m in matchers if m is not None}
     if len(vocab_sizes) > 1:
         raise ValueError(f"matchers of different vocabularies in one batch: {sorted(vocab_sizes)}")
     if vocab_sizes:
-        _check_bitmask(bitmask, vocab_sizes.pop())
+        _check_bitmask(flat, vocab_sizes.pop())
+    drafts = [[int(t) for t in d] for d in drafts] if drafts is not None else [[]] * len(matchers)
+    for i, m in enumerate(matchers):
+        if m is not None and m.validate_tokens(drafts[i]) != len(drafts[i]):
+            raise ValueError(f"drafts {drafts[i]} of row {i} do not fit its grammar past the first "
+                             f"{m.validate_tokens(drafts[i])}")
     for i, m in enumerate(matchers):
         if m is None:
             bitmask[i] = -1
-    if live:
+    plain = [(m._ll, i * positions) for i, m in enumerate(matchers) if m is not None and not drafts[i]]
+    drafted = [(m._ll, i * positions, drafts[i]) for i, m in enumerate(matchers) if m is not None and drafts[i]]
+    if plain or drafted:
         global _EXECUTOR
         if executor is None:
             _EXECUTOR = _EXECUTOR or llguidance.LLExecutor()
             executor = _EXECUTOR
-        llg_numpy.fill_next_token_bitmask_par(executor, live, bitmask)
+        if plain:
+            llg_numpy.fill_next_token_bitmask_par(executor, plain, flat)
+        if drafted:  # llguidance takes only rows with drafts here
+            llg_numpy.fill_next_token_bitmask_par_with_draft_tokens(executor, drafted, flat)
 
 
 # The device side lives with the sampler, which applies it; jitted here for callers outside it.

@@ -340,23 +340,30 @@ def test_forced_tokens_are_the_drafts_a_grammar_makes(tok, compiler):
 
 
 def test_draft_bitmasks_are_the_masks_after_each_draft(tok, compiler):
+    """A verification's masks, in one parallel fill: position j of a row is its grammar's mask after
+    the row's first j drafts, as a matcher walked token by token has it; rows without drafts get
+    position 0's alone, rows without a grammar allow everything."""
     compiled = compiler.compile(SOP(json=PERSON, disable_any_whitespace=True))
     tokens = ids(tok, COMPACT_PERSON)
-    m = matcher.Matcher(compiled)
-    assert m.accept(tokens[:15])
-    drafts = ids(tok, '":"Paris"')  # any tokens the grammar takes (here: a lookup of the prompt)
-    assert m.validate_tokens(drafts) == len(drafts) > 2
-    masks = tokenizer.allocate_bitmask(len(drafts), m.vocab_size)
-    m.fill_draft_bitmasks(drafts, masks)
-    walk = matcher.Matcher(compiled)
-    assert walk.accept(tokens[:15])
-    for j, token in enumerate(drafts):
-        assert walk.accept([token])
-        np.testing.assert_array_equal(masks[j], mask_of(walk), err_msg=f"after draft {j}")
-    assert m.num_tokens == 15 and m.accept(drafts)  # left where it was
-    with pytest.raises(ValueError, match=r"do not fit the grammar past the first 0"):
-        m.fill_draft_bitmasks(ids(tok, "}"), tokenizer.allocate_bitmask(1, m.vocab_size))
-    assert not m.is_error
+    a, b = matcher.Matcher(compiled), matcher.Matcher(compiled)
+    assert a.accept(tokens[:15]) and b.accept(tokens[:11])
+    drafts = [ids(tok, '":"Paris"'), b.forced_tokens(8), []]  # a lookup's tokens, forced ones, none
+    assert a.validate_tokens(drafts[0]) == len(drafts[0]) > 2 and len(drafts[1]) > 2
+    width = 1 + max(map(len, drafts))
+    masks = tokenizer.allocate_bitmask(4 * width, a.vocab_size).reshape(4, width, -1)
+    masks[2, 1:] = 7  # past a row's drafts: left as they were
+    matcher.fill_bitmasks([a, b, matcher.Matcher(compiled), None], masks, drafts=drafts + [[]])
+    for row, (m, prefix) in enumerate([(a, tokens[:15]), (b, tokens[:11]), (None, [])]):
+        walk = matcher.Matcher(compiled)
+        assert walk.accept(prefix)
+        for j in range(len(drafts[row]) + 1):
+            np.testing.assert_array_equal(masks[row, j], mask_of(walk), err_msg=f"row {row}, position {j}")
+            assert j == len(drafts[row]) or walk.accept([drafts[row][j]])
+    assert np.all(masks[2, 1:] == 7) and np.all(masks[3] == -1)
+    assert a.num_tokens == 15 and b.num_tokens == 11  # left where they were
+    with pytest.raises(ValueError, match=r"drafts \[.*\] of row 0 do not fit its grammar past the first 0"):
+        matcher.fill_bitmasks([a], masks[:1], drafts=[ids(tok, "}")])
+    assert not a.is_error
 
 
 def test_fill_bitmasks_matches_row_by_row(tok, compiler):
