@@ -175,7 +175,7 @@ def fill_bitmasks(matchers: Sequence[Matcher | None], bitmask: np.ndarray, *,
         _check_bitmask(flat, vocab_sizes.pop())
     drafts = [[int(t) for t in d] for d in drafts] if drafts is not None else [[]] * len(matchers)
     for i, m in enumerate(matchers):
-        if m is not None and m.validate_tokens(drafts[i]) != len(drafts[i]):
+        if m is not None and drafts[i] and m.validate_tokens(drafts[i]) != len(drafts[i]):
             raise ValueError(f"drafts {drafts[i]} of row {i} do not fit its grammar past the first "
                              f"{m.validate_tokens(drafts[i])}")
     for i, m in enumerate(matchers):

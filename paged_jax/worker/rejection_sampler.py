@@ -46,6 +46,7 @@ def verify(logits, drafts, sp: sampler.SlotParams, num_output, total_len, penalt
     position = jnp.arange(width)
     padded = jnp.concatenate([drafts, jnp.full((rows, 1), -1, jnp.int32)], axis=1)  # i32[B, J]
     has_draft = padded >= 0
+    offset = jnp.tile(position, rows)  # each flattened entry's position in its row
 
     def flat(x):  # per-row values repeated for each of the row's positions
         return jnp.repeat(x, width, axis=0)
@@ -53,7 +54,7 @@ def verify(logits, drafts, sp: sampler.SlotParams, num_output, total_len, penalt
     fsp = jax.tree.map(flat, dataclasses.replace(sp, allowed=sp.allowed[:0]))  # `allowed` is not per row
     allowed, mask_row = sp.allowed, fsp.mask_row
     if allowed.ndim == 3:  # a grammar's mask per position, past the drafts before it
-        mask_row = jnp.where(mask_row >= 0, mask_row * width + jnp.tile(position, rows), -1)
+        mask_row = jnp.where(mask_row >= 0, mask_row * width + offset, -1)
         allowed = allowed.reshape(-1, allowed.shape[-1])
     fsp = dataclasses.replace(fsp, allowed=allowed, mask_row=mask_row)
     before = (num_output[:, None] - 1 + position).reshape(-1)  # output tokens before position j's token
@@ -92,7 +93,6 @@ def verify(logits, drafts, sp: sampler.SlotParams, num_output, total_len, penalt
                        jnp.take_along_axis(final, num_accepted[:, None], axis=1))  # valid up to num_accepted
 
     # Stops: the first position whose token ends the row, among those it emits.
-    offset = jnp.tile(position, rows)
     stop = sampler.stop_check(tokens.reshape(-1), fsp, flat(num_output) + offset,
                               flat(total_len) + offset).reshape(rows, width)
     stop = jnp.where(position <= num_accepted[:, None], stop, 0)
