@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from models import lora
 from pallas_kernels import targets
 
 
@@ -59,12 +60,17 @@ def causal_attention(
 def project(spec: str, h, w, name: str):
     """`jnp.einsum(spec, h, w[name])`. An int8 weight (models/quantize.py) is widened to h's dtype
     inside the product, which accumulates in f32 and is scaled per output channel by
-    w[name + "_scale"] after it, so the weight is read as int8."""
+    w[name + "_scale"] after it, so the weight is read as int8. With LoRA slots in `w` (`name +
+    "_lora_a"`, `"_lora_b"` and the tokens' `"lora_mask"`), each token's adapter adds its term."""
     scale = w.get(name + "_scale")
     if scale is None:
-        return jnp.einsum(spec, h, w[name])
-    out = jnp.einsum(spec, h, w[name].astype(h.dtype), preferred_element_type=jnp.float32)
-    return (out * scale).astype(h.dtype)
+        out = jnp.einsum(spec, h, w[name])
+    else:
+        out = (jnp.einsum(spec, h, w[name].astype(h.dtype), preferred_element_type=jnp.float32)
+               * scale).astype(h.dtype)
+    if name + "_lora_a" in w:  # LoRA adapters (models/lora.py), each token its own
+        out = out + lora.delta(spec, h, w[name + "_lora_a"], w[name + "_lora_b"], w["lora_mask"])
+    return out
 
 
 def self_attention(

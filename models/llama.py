@@ -24,6 +24,7 @@ from models.layers import (COMPILER_OPTIONS, HALF_ALGORITHMS, causal_attention, 
                            self_attention)
 from models.llama_config import (ARCHITECTURES, PRESETS, SUPPORTED_DTYPES, LlamaConfig, hf_common_fields, preset,
                                  rope_inv_freq)
+from models.lora import LoRAInputs
 from models.quantize import head_logits
 from pallas_kernels.quantization import storage_dtype
 from paged_jax.attention import AttentionMetadata, KVCache, attend
@@ -130,14 +131,19 @@ class Llama(nnx.Module):
         positions,  # i32[...]
         attention,  # (q, k, v, attn_state, layer, sliding_window) -> (out, attn_state)
         attn_state,  # carried through the scan: the paged cache, or None
+        lora: LoRAInputs | None = None,  # adapters, the tokens' slots per token of x ([num_tokens, hidden])
     ):
         """The layer scan (models.layers.scan_layers) -> (x, attn_state)."""
         cos, sin = self._rope_tables(positions)
+        weights = self.layers.arrays()
+        if lora is not None:  # each layer's slots are scanned with its weights; the tokens' mask is shared
+            weights, mask = {**weights, **lora.weights.layer_arrays()}, lora.mask(x.dtype)
 
         def layer(x, w, attention, state):
+            w = w if lora is None else {**w, "lora_mask": mask}
             return self.decoder_layer(x, w, cos, sin, attention, state)
 
-        return scan_layers(layer, x, self.layers.arrays(), self.config.layer_windows, attention, attn_state)
+        return scan_layers(layer, x, weights, self.config.layer_windows, attention, attn_state)
 
     def lm_head_logits(self, h):  # h [..., hidden], normalised -> f32[..., vocab]
         tied = self.lm_head is None
@@ -164,16 +170,18 @@ class Llama(nnx.Module):
         *,
         backend: str = "reference",
         mesh=None,
+        lora: LoRAInputs | None = None,
     ):
         """Ragged paged forward -> (f32[num_logits, vocab], cache): prefill, chunked prefill, decode.
-        `mesh`: run attention per tensor-parallel shard (see paged_jax.worker.sharding)."""
+        `mesh`: run attention per tensor-parallel shard (see paged_jax.worker.sharding); `lora`: the
+        adapters' slots and each token's (models/lora.py)."""
         c = self.config
 
         def paged(q, k, v, cache, layer, sliding_window):
             return attend(q, k, v, cache, layer, md, backend=backend, sm_scale=c.sm_scale,
                           soft_cap=c.attn_soft_cap, sliding_window=sliding_window, mesh=mesh)
 
-        x, cache = self.run_layers(self.embed_tokens(tokens), positions, paged, cache)
+        x, cache = self.run_layers(self.embed_tokens(tokens), positions, paged, cache, lora)
         return self.logits(x[logits_indices]), cache
 
     def dense_logits(self, tokens):  # i32[batch, seq] -> f32[batch, seq, vocab]
@@ -210,8 +218,9 @@ def forward(
     logits_indices,  # i32[num_logits]
     backend: str = "reference",
     mesh=None,
+    lora: LoRAInputs | None = None,
 ):
     """The jitted entry point: `graphdef, state = nnx.split(model)` once, then call this per step.
     Same arguments and result as `Llama.__call__`; the cache is donated and updated in place."""
     model = nnx.merge(graphdef, state)
-    return model(tokens, positions, cache, md, logits_indices, backend=backend, mesh=mesh)
+    return model(tokens, positions, cache, md, logits_indices, backend=backend, mesh=mesh, lora=lora)

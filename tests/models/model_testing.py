@@ -84,3 +84,67 @@ def paged_prefill_logits(model, tokens):
     logits, _ = forward(*nnx.split(model), jnp.asarray(tokens, jnp.int32), jnp.asarray(pos, jnp.int32),
                         model.init_cache(10, block_size), md, jnp.arange(n, dtype=jnp.int32))
     return np.asarray(logits)
+
+
+# PEFT's module names and where each sits in a Llama layer, for adapters written by the tests.
+PEFT_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def hf_linear_shapes(config) -> dict[str, tuple[int, int]]:
+    """(out features, in features) of each projection, torch's Linear layout."""
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return {"q_proj": (q, c.hidden_size), "k_proj": (kv, c.hidden_size), "v_proj": (kv, c.hidden_size),
+            "o_proj": (c.hidden_size, q), "gate_proj": (c.intermediate_size, c.hidden_size),
+            "up_proj": (c.intermediate_size, c.hidden_size), "down_proj": (c.hidden_size, c.intermediate_size)}
+
+
+def save_peft_adapter(directory, config, *, rank, alpha, targets=tuple(PEFT_MODULES), seed=0, rslora=False,
+                      layers=None, extra_config=None):
+    """A PEFT LoRA adapter directory written with numpy and safetensors alone (no peft): A ~ N(0,
+    1/in), B ~ N(0, 0.5) so that its term moves the logits -> {(layer, module): (A [r, in], B [out,
+    r]) in float64}, the values saved (rounded to f32)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.numpy import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    shapes, tensors, saved = hf_linear_shapes(config), {}, {}
+    for layer in range(config.num_layers) if layers is None else layers:
+        for module in targets:
+            out_f, in_f = shapes[module]
+            a = (rng.standard_normal((rank, in_f)) / np.sqrt(in_f)).astype(np.float32)
+            b = (0.5 * rng.standard_normal((out_f, rank))).astype(np.float32)
+            prefix = f"base_model.model.model.layers.{layer}.{PEFT_MODULES[module]}.{module}"
+            tensors[prefix + ".lora_A.weight"], tensors[prefix + ".lora_B.weight"] = a, b
+            saved[layer, module] = (a.astype(np.float64), b.astype(np.float64))
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    peft = {**dict(peft_type="LORA", r=rank, lora_alpha=alpha, target_modules=list(targets), bias="none",
+                   use_rslora=rslora, use_dora=False, modules_to_save=None), **(extra_config or {})}
+    (directory / "adapter_config.json").write_text(json.dumps(peft))
+    return saved
+
+
+def merged_model(model, adapter, scaling):
+    """`model` with the adapter's term folded into its weights in float64 (W + scaling * B A, in our
+    layout): the reference a LoRA forward must equal."""
+    c = model.config
+    ours = {"q_proj": ("wq", (c.hidden_size, c.num_heads, c.head_dim)),
+            "k_proj": ("wk", (c.hidden_size, c.num_kv_heads, c.head_dim)),
+            "v_proj": ("wv", (c.hidden_size, c.num_kv_heads, c.head_dim)),
+            "o_proj": ("wo", (c.num_heads, c.head_dim, c.hidden_size)),
+            "gate_proj": ("w_gate", None), "up_proj": ("w_up", None), "down_proj": ("w_down", None)}
+    graphdef, state = nnx.split(model)
+    merged = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
+    for (layer, module), (a, b) in adapter.items():
+        name, shape = ours[module]
+        param = getattr(merged.layers, name)
+        w = np.asarray(param[...], np.float64)
+        term = (scaling * b @ a).T  # [in, out]
+        w[layer] += term.reshape(shape or term.shape)
+        param[...] = jnp.asarray(w, param[...].dtype)
+    return merged

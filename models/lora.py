@@ -1,0 +1,160 @@
+"""LoRA adapters (Hu et al., 2021) served beside the base model, several at once (vLLM's multi-LoRA).
+
+A PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`) adds to a linear layer
+y = x W the low-rank term (x A^T B^T) * scaling. The device holds `max_loras` adapter slots for every
+projection of every layer, each slot's A and B side by side on one axis of `max_loras * max_rank`
+columns (`LoRAWeights`). A ragged batch whose tokens belong to different adapters then runs one
+extra pair of matmuls per projection: x @ A_all gives every slot's rank-r activations, a mask keeps
+the token's own slot's columns (zero for a token without an adapter), and @ B_all adds its delta.
+That is max_loras x max_rank more columns per projection (64 for 4 slots of rank 16) beside the
+base weight's thousands, and the batch needs no grouping by adapter (vLLM's punica kernels gather
+per token instead; at these sizes the masked product is the simpler equal).
+
+Adapters for the projections of `TARGETS` load; an adapter that trains anything else (embeddings,
+the LM head, biases, DoRA magnitudes, `modules_to_save`) is refused by name, as is a rank above the
+engine's `max_lora_rank`. A rank below it is padded with zero columns; the scaling (lora_alpha / r,
+or / sqrt(r) with rsLoRA) is folded into B.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+
+# PEFT's module names -> ours (models/llama.py's stacked weights).
+TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
+           "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_REFUSED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save", "rank_pattern": "rank_pattern",
+            "alpha_pattern": "alpha_pattern", "fan_in_fan_out": "fan_in_fan_out"}
+
+
+def target_shapes(config) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Each projection's (input axes, output axes) in our layout: wq is [hidden, heads, head_dim]."""
+    d, f, h, kvh, hd = (config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads,
+                        config.head_dim)
+    return {"wq": ((d,), (h, hd)), "wk": ((d,), (kvh, hd)), "wv": ((d,), (kvh, hd)), "wo": ((h, hd), (d,)),
+            "w_gate": ((d,), (f,)), "w_up": ((d,), (f,)), "w_down": ((f,), (d,))}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoRAWeights:
+    """Every slot's adapter for every layer: `a[name]` [num_layers, *input axes, slots * rank],
+    `b[name]` [num_layers, slots * rank, *output axes]; slot s owns columns s*rank .. (s+1)*rank."""
+
+    a: dict
+    b: dict
+    rank: int = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def zeros(cls, config, max_loras: int, max_rank: int) -> LoRAWeights:
+        dtype, n, width = jnp.dtype(config.dtype), config.num_layers, max_loras * max_rank
+        shapes = target_shapes(config)
+        return cls(a={k: jnp.zeros((n, *i, width), dtype) for k, (i, _) in shapes.items()},
+                   b={k: jnp.zeros((n, width, *o), dtype) for k, (_, o) in shapes.items()}, rank=max_rank)
+
+    @property
+    def num_slots(self) -> int:
+        return self.a["wq"].shape[-1] // self.rank
+
+    def layer_arrays(self) -> dict:
+        """The stacked arrays under the names `project` looks for, for the layer scan to slice."""
+        return {**{k + "_lora_a": v for k, v in self.a.items()}, **{k + "_lora_b": v for k, v in self.b.items()}}
+
+    def nbytes(self) -> int:
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoRAInputs:
+    """What a forward reads of the adapters: the slots' weights and each token's slot."""
+
+    weights: LoRAWeights
+    slots: jax.Array  # i32[num_tokens] (or per row, before the runner maps rows to tokens); -1: no adapter
+
+    def mask(self, dtype):  # -> [num_tokens, slots * rank]: 1 on the token's own slot's columns
+        columns = jnp.arange(self.weights.num_slots * self.weights.rank) // self.weights.rank
+        return (self.slots[:, None] == columns[None, :]).astype(dtype)
+
+
+def delta(spec: str, h, a, b, mask):
+    """The adapters' term of `jnp.einsum(spec, h, w)` for one layer: (h A) masked to each token's
+    slot, then B. `spec` names w's contracted axes, which A takes, and its output axes, which B gives."""
+    inputs, out = spec.split("->")
+    x, w = inputs.split(",")
+    contracted = "".join(c for c in w if c in x)
+    kept = "".join(c for c in w if c not in x)
+    xa = jnp.einsum(f"{x},{contracted}z->...z", h, a.astype(h.dtype)) * mask
+    return jnp.einsum(f"...z,z{kept}->{out}", xa, b.astype(h.dtype))
+
+
+@jax.jit
+def write_slot(weights: LoRAWeights, slot, a: dict, b: dict) -> LoRAWeights:
+    """`weights` with slot `slot` (a traced i32: one program for every slot) holding the adapter
+    (a[name] [num_layers, *input axes, rank], b[name] [num_layers, rank, *output axes])."""
+    r = weights.rank
+    new_a = {k: jax.lax.dynamic_update_slice_in_dim(v, a[k].astype(v.dtype), slot * r, axis=v.ndim - 1)
+             for k, v in weights.a.items()}
+    new_b = {k: jax.lax.dynamic_update_slice_in_dim(v, b[k].astype(v.dtype), slot * r, axis=1)
+             for k, v in weights.b.items()}
+    return dataclasses.replace(weights, a=new_a, b=new_b)
+
+
+class LoRAError(ValueError):
+    """An adapter that cannot be served by this model or engine; the message names what."""
+
+
+def load_peft(path, config, max_rank: int) -> tuple[dict, dict]:
+    """A PEFT LoRA directory -> (a, b) as `write_slot` takes them, in the model's dtype, the rank
+    padded to `max_rank` with zeros and the scaling folded into b (LoRAError naming what is wrong)."""
+    path = Path(path)
+    config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
+    for file in (config_file, weights_file):
+        if not file.is_file():
+            raise LoRAError(f"LoRA adapter {str(path)!r}: no {file.name} (a PEFT adapter directory holds "
+                            "adapter_config.json and adapter_model.safetensors)")
+    peft = json.loads(config_file.read_text())
+    if peft.get("peft_type", "LORA") != "LORA":
+        raise LoRAError(f"LoRA adapter {str(path)!r}: peft_type {peft.get('peft_type')!r} is not LORA")
+    for key, what in _REFUSED.items():
+        if peft.get(key):
+            raise LoRAError(f"LoRA adapter {str(path)!r}: {what} ({key}={peft[key]!r}) is not supported")
+    if peft.get("bias", "none") != "none":
+        raise LoRAError(f"LoRA adapter {str(path)!r}: trained biases (bias={peft['bias']!r}) are not supported")
+    rank, alpha = int(peft["r"]), float(peft.get("lora_alpha", peft["r"]))
+    if not 1 <= rank <= max_rank:
+        raise LoRAError(f"LoRA adapter {str(path)!r} has rank {rank}, more than max_lora_rank={max_rank}: "
+                        "raise max_lora_rank")
+    scaling = alpha / math.sqrt(rank) if peft.get("use_rslora") else alpha / rank
+    shapes, n = target_shapes(config), config.num_layers
+    dtype = jnp.dtype(config.dtype)
+    a = {k: np.zeros((n, *i, max_rank), np.float32) for k, (i, _) in shapes.items()}
+    b = {k: np.zeros((n, max_rank, *o), np.float32) for k, (_, o) in shapes.items()}
+    with jax.default_device(jax.local_devices(backend="cpu")[0]), safe_open(weights_file, framework="flax") as f:
+        for key in sorted(f.keys()):
+            found = _KEY.search(key)
+            if found is None or found[2] not in TARGETS:
+                raise LoRAError(f"LoRA adapter {str(path)!r}: tensor {key!r} is not a LoRA A/B of a supported "
+                                f"projection ({', '.join(TARGETS)})")
+            layer, name, which = int(found[1]), TARGETS[found[2]], found[3]
+            inputs, outputs = shapes[name]
+            # PEFT's A is [rank, in features], its B [out features, rank] (torch's Linear layout).
+            expected = (rank, math.prod(inputs)) if which == "A" else (math.prod(outputs), rank)
+            x = np.asarray(f.get_tensor(key), np.float32)
+            if layer >= n or x.shape != expected:
+                raise LoRAError(f"LoRA adapter {str(path)!r}: tensor {key!r} has shape {x.shape}, expected "
+                                f"{expected} for layer {layer} of this model's {n}")
+            if which == "A":
+                a[name][layer, ..., :rank] = x.T.reshape(*inputs, rank)
+            else:
+                b[name][layer, :rank] = (x.T * scaling).reshape(rank, *outputs)
+    return ({k: v.astype(dtype) for k, v in a.items()}, {k: v.astype(dtype) for k, v in b.items()})
