@@ -69,8 +69,12 @@ class LoRAWeights:
         """The stacked arrays under the names `project` looks for, for the layer scan to slice."""
         return {**{k + "_lora_a": v for k, v in self.a.items()}, **{k + "_lora_b": v for k, v in self.b.items()}}
 
-    def nbytes(self) -> int:
-        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
+    @staticmethod
+    def nbytes_for(config, max_loras: int, max_rank: int) -> int:
+        """The bytes of `zeros(config, max_loras, max_rank)`."""
+        columns = config.num_layers * max_loras * max_rank
+        return columns * jnp.dtype(config.dtype).itemsize * sum(
+            math.prod(i) + math.prod(o) for i, o in target_shapes(config).values())
 
 
 @jax.tree_util.register_dataclass

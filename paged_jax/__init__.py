@@ -25,6 +25,7 @@ _EXPORTS = {
     "BeamSearchParams": "paged_jax.sampling_params",
     "RequestOutputKind": "paged_jax.sampling_params",
     "SamplingParams": "paged_jax.sampling_params",
+    "LoRARequest": "paged_jax.lora.request",
 }
 from paged_jax.core import block_pool  # noqa: E402  (jax and numpy only)
 

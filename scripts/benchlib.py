@@ -128,18 +128,19 @@ def make_llm(model, *, block_size: int, kv_tokens: int, max_num_seqs: int, max_m
                enable_prefix_caching=enable_prefix_caching, log_stats=False, **engine_args)
 
 
-def run_engine(llm, prompts, params, *, read_pool: bool = False) -> dict:
+def run_engine(llm, prompts, params, *, read_pool: bool = False, loras=None) -> dict:
     """Submit every request at once (offline, as vLLM's benchmark_throughput) and step to the end.
 
     Besides the outputs and the engine's stats (sequences running per model step, prefill tokens
     computed), it gives run / compile seconds, each request's time to first token (compile time
     inside it left out) and, with `read_pool`, KV utilisation = tokens held / token slots of
-    allocated blocks, read from the pool between steps (time spent reading is left out)."""
+    allocated blocks, read from the pool between steps (time spent reading is left out). `loras`:
+    each request's LoRARequest or None."""
     engine = llm.engine
     held = allocated = 0
     outputs, probe_s, start = {}, 0.0, now()
     for i, (prompt, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(str(i), prompt, sp)
+        engine.add_request(str(i), prompt, sp, lora_request=loras[i] if loras else None)
     while engine.has_unfinished_requests():
         before = engine.counters["model_steps"]
         outputs.update((o.request_id, o) for o in engine.step() if o.finished)

@@ -10,6 +10,7 @@ all submitted at once with ignore_eos, greedy, on one random Llama (58M paramete
     python scripts/benchmark_throughput.py --section kv-dtype   # one KV budget: auto / int8 / fp8 pages
     python scripts/benchmark_throughput.py --section preemption # memory-starved: recompute, swap, host tier
     python scripts/benchmark_throughput.py --section spec-decode --output-len 128  # n-gram speculation, SmolLM2
+    python scripts/benchmark_throughput.py --section lora       # LoRA adapters' cost, SmolLM2
 
 Sections: `engines`: the paged engine (block_size 16); the same engine with block_size = max_model_len
 (a contiguous reservation of the longest answer per request); a plain JAX greedy loop over a dense KV
@@ -24,7 +25,8 @@ budget, the pages in the model's dtype, int8 and fp8 (scripts/kv_dtype_section.p
 fixed-length requests that overflow one KV budget, preempted by recompute or by swapping, with
 and without the prefix cache's host tier (scripts/bench_preemption.py). `spec-decode`: n-gram
 speculative decoding on SmolLM2, repeat/edit and free-text prompts, batch 1 and 8
-(scripts/spec_decode_section.py). Run
+(scripts/spec_decode_section.py). `lora`: LoRA adapters on SmolLM2 against the engine without them
+(scripts/lora_section.py). Run
 time excludes jit compile time (each engine first runs other prompts of the same lengths).
 """
 from __future__ import annotations
@@ -41,7 +43,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 import numpy as np  # noqa: E402
 
 from paged_jax import SamplingParams  # noqa: E402
-from scripts import baselines, bench_preemption, benchlib, kv_dtype_section, spec_decode_section  # noqa: E402
+from scripts import baselines, bench_preemption, benchlib, kv_dtype_section, lora_section, spec_decode_section  # noqa: E402
 
 COMMON = [("name", "method", "s")]
 COLUMNS = {
@@ -70,7 +72,7 @@ COLUMNS = {
                           ("run_s", "run s", ".2f"), ("compile_s", "compile s", ".1f"),
                           ("same_tokens", "same tokens", ".0%")],
 }
-SECTIONS = {"kv-dtype": kv_dtype_section, "spec-decode": spec_decode_section}
+SECTIONS = {"kv-dtype": kv_dtype_section, "spec-decode": spec_decode_section, "lora": lora_section}
 CAPACITIES = ((8, 1024), (32, 1024), (256, 1024), (8, 32768), (256, 32768), (256, 131072))
 
 
@@ -223,7 +225,7 @@ def main(argv=None):
         ap.error(f"--max-model-len {args.max_model_len}: the contiguous run's block size, so a power of two")
     if args.section in SECTIONS:  # real weights, a section of its own
         if args.output_len == ap.get_default("output_len"):
-            args.output_len = {"kv-dtype": 64, "spec-decode": 128}[args.section]
+            args.output_len = {"kv-dtype": 64, "spec-decode": 128, "lora": 64}[args.section]
         module = SECTIONS[args.section]
         rows, info = getattr(module, args.section.replace("-", "_") + "_rows")(args)
         print(info)

@@ -57,16 +57,17 @@ def decode_call(llm, rows: int):
     mr, c = llm.engine.model_runner, llm.engine.config
     plan = warm_up._decode(c, rows, 64, 0.0)
     plan.scheduled[0][0].request.params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1 << 20)
-    batch, sp, flags = mr._decode_inputs(plan)
+    batch, sp, flags, lora = mr._decode_inputs(plan)
     batch = mr._place(batch)
     kwargs = dict(flags=flags, num_steps=c.num_decode_steps)
 
     def call():
-        mr.state, out = runner.decode_steps(mr.graphdef, mr.params, mr.state, batch, sp, None, **kwargs)
+        mr.state, out = runner.decode_steps(mr.graphdef, mr.params, mr.state, batch, sp, None, lora, **kwargs)
         return jax.block_until_ready(out)
 
     assert int(call().steps) == c.num_decode_steps
-    return call, runner.decode_steps.lower(mr.graphdef, mr.params, mr.state, batch, sp, None, **kwargs).compile().as_text()
+    return call, runner.decode_steps.lower(mr.graphdef, mr.params, mr.state, batch, sp, None, lora,
+                                           **kwargs).compile().as_text()
 
 
 def part(line: str, vocab: int) -> str:

@@ -247,7 +247,7 @@ class KVCacheManager:
         so a follow-up turn that repeats the conversation hits)."""
         if not self.prefix_cache.enabled or seq.slot < 0:
             return
-        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.request.cache_salt)
+        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.request.block_hash_key)
         full = min(seq.num_computed, seq.num_tokens) // self.block_size
         table = self.pool.block_tables[seq.slot]
         marks = []

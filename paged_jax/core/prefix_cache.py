@@ -25,13 +25,13 @@ def hash_block(parent: bytes | None, tokens, extra: bytes | None = None) -> byte
 
 
 def extend_block_hashes(hashes: list[bytes], token_ids: list[int], block_size: int,
-                        cache_salt: str | None = None) -> None:
+                        first_key: bytes | None = None) -> None:
     """Append the hashes of every newly completed full block of `token_ids` (vLLM's incremental
-    request block hasher). The salt is an extra key of the first block only, which keeps tenants'
-    chains apart from the start."""
+    request block hasher). `first_key` (Request.block_hash_key: a cache salt, a LoRA adapter) is an
+    extra key of the first block only, which keeps the chains apart from the start."""
     for i in range(len(hashes), len(token_ids) // block_size):
         parent = hashes[-1] if hashes else None
-        extra = cache_salt.encode() if (i == 0 and cache_salt) else None
+        extra = first_key if i == 0 else None
         hashes.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra))
 
 

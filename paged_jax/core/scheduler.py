@@ -29,23 +29,22 @@ class Scheduler:
     def __init__(self, *, max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
                  max_blocks_per_seq, long_prefill_token_threshold=0, prefix_cache=None, sliding_window=None,
                  host_pool: HostBlockPool | None = None, swap_preemption=False, host_tier=False,
-                 num_decode_steps=1, max_model_len=None):
+                 num_decode_steps=1, max_model_len=None, max_loras=0):
         """`sliding_window`: every layer's attention window (tokens), or None. With a `host_pool`:
         `swap_preemption` (vLLM V0's preemption_mode="swap") and `host_tier` (core/host_memory.py).
         `num_decode_steps`: the most tokens one decode call adds to a sequence; `max_model_len`: the
-        tokens at which the device ends a sequence (default: what its table maps)."""
-        self.max_num_seqs = max_num_seqs
+        tokens at which the device ends a sequence (default: what its table maps); `max_loras`: the
+        LoRA adapters the running sequences may use at once (EngineConfig.lora)."""
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len or max_blocks_per_seq * block_size
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.block_size = block_size
+        self.block_size, self.sliding_window = block_size, sliding_window
         self.long_prefill_token_threshold = long_prefill_token_threshold
-        self.sliding_window = sliding_window
         self.prefix_cache = prefix_cache or PrefixCache(enabled=False)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.free_slot_ids = list(range(max_num_seqs))  # a heap: the lowest free slot first
         self.host = HostMemory(host_pool, swap_preemption=swap_preemption, tier=host_tier, block_size=block_size)
-        self.num_decode_steps = num_decode_steps
+        self.num_decode_steps, self.max_loras = num_decode_steps, max_loras
         self.num_preemptions = self.num_recomputed_tokens = 0  # the latter: computed again after a recompute preemption
         self.kv_manager = KVCacheManager(num_blocks, block_size, max_num_seqs, max_blocks_per_seq,
                                          prefix_cache=self.prefix_cache, host=self.host, sliding_window=sliding_window)
@@ -62,12 +61,11 @@ class Scheduler:
     # -- requests ------------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.request.cache_salt)
+        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.request.block_hash_key)
         self.waiting.append(seq)
 
     def finish(self, seqs: list[Sequence], status: Status) -> None:
-        """End the sequences (and their unforked children); their blocks go back to the pool at once,
-        in one pool operation, each sequence's in turn."""
+        """End the sequences (and their unforked children); their blocks go back in one pool operation."""
         ending = []
         for seq in seqs:
             ending += [s for s in [seq, *seq.children] if not s.finished]
@@ -97,14 +95,13 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------------
 
     def schedule(self, drafts: dict[Sequence, list[int]] | None = None, *, overlapped: bool = False) -> Plan | None:
-        """Plan the next step and apply its pool operations: vLLM's two passes. `drafts`:
-        speculative proposals of decoding rows, scheduled after their last sampled token (as far as
-        the token budget allows) and verified by the call; blocks are mapped for them like any
-        token, and only the verified ones count as computed (`update_from_output`), so a rejected
-        tail is rolled back by the row's length alone: its blocks stay mapped for the row's next
-        calls to write over (vLLM keeps them too; a decode call pauses at its steps). `overlapped`
-        (AsyncScheduler.schedule_next): None, changing nothing, where it would preempt or schedule
-        nothing."""
+        """Plan the next step and apply its pool operations: vLLM's two passes. `drafts`: speculative
+        proposals of decoding rows, scheduled after their last sampled token (as the token budget
+        allows) and verified by the call; blocks are mapped for them like any token, and only the
+        verified ones count as computed (`update_from_output`), so a rejected tail is rolled back by
+        the row's length alone: its blocks stay mapped for the row's next calls to write over (as
+        vLLM's). `overlapped` (AsyncScheduler.schedule_next): None, changing nothing, where it would
+        preempt or schedule nothing."""
         plan, self._copies_pending = Plan(copies_first=self._copies_pending), []
         drafts = drafts or {}
         budget, kv = self.max_num_batched_tokens, self.kv_manager
@@ -150,9 +147,14 @@ class Scheduler:
         for victim in plan.preempted:  # the last preempted is first in line, as vLLM's prepend
             self.waiting.appendleft(victim)
 
-        # Pass 2: waiting sequences in order, only if nothing was preempted this step.
+        # Pass 2: waiting sequences in order, only if nothing was preempted this step. One whose
+        # adapter would be one too many beside the running ones' is set aside (vLLM's LoRA cap).
+        loras, skipped = {s.request.lora_id for s in self.running} | {0}, []
         while self.waiting and budget > 0 and not plan.preempted:
             seq = self.waiting[0]
+            if seq.request.lora_id not in loras and len(loras) > self.max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
             if len(self.free_slot_ids) < 1 + len(seq.children):
                 break
             swapped = bool(seq.host_blocks)  # resumes with the tokens its host blocks hold
@@ -188,6 +190,8 @@ class Scheduler:
             plan.admitted.add(seq.slot)
             plan.scheduled.append((seq, n))
             self.running.append(seq)
+            loras.add(seq.request.lora_id)
+        self.waiting.extendleft(reversed(skipped))
 
         if overlapped and not plan.scheduled:  # blocks the call before frees may be what is missing
             return None
@@ -209,8 +213,7 @@ class Scheduler:
         return plan
 
     def _fork_children(self, seq: Sequence, n: int, plan: Plan) -> None:
-        """When this chunk completes the prompt of `seq`, its parallel samples fork from it (the
-        blocks `_fork_blocks` counted, which no admission of this plan could take)."""
+        """When this chunk completes `seq`'s prompt, its samples fork from it (blocks: `_fork_blocks`)."""
         if not (seq.children and seq.num_computed + n == seq.num_tokens):
             return
         for child in seq.children:
@@ -220,10 +223,9 @@ class Scheduler:
                 plan.copies.append((src, dst))
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Copy-on-write fork between steps (beam search; the paper's section 4.4): `child`, which
-        holds the parent's computed tokens, takes a free slot, shares every full block of the
-        parent and gets its own copy of the partial tail block (the next plan carries the copy),
-        and joins the running batch behind the parent."""
+        """Copy-on-write fork between steps (beam search; the paper's section 4.4): `child` takes a
+        free slot, shares the parent's full blocks, gets its own copy of the partial tail block (the
+        next plan carries the copy) and joins the running batch behind the parent."""
         child.slot = heapq.heappop(self.free_slot_ids)
         src, dst = self.kv_manager.fork(parent.slot, child.slot)
         if src >= 0:
@@ -253,16 +255,14 @@ class Scheduler:
         return max(0, min(n, budget, self.long_prefill_token_threshold or n))
 
     def _fork_blocks(self, seq, n, computed=None):
-        """Blocks the forks of `seq` take if this chunk completes its prompt: one each for a
-        partial tail block."""
+        """Blocks the forks of `seq` take if this chunk completes its prompt: one each for a tail."""
         done = (seq.num_computed if computed is None else computed) + n == seq.num_tokens
         return len(seq.children) if (seq.children and done and seq.num_tokens % self.block_size) else 0
 
     def update_from_output(self, plan: Plan, output: ModelOutput) -> list[tuple[Sequence, int, int]]:
         """Every transition one device call causes: forked children joining, computed tokens, the
-        sampled tokens appended, device stops (stop token, length), and the newly full blocks
-        entered in the prefix cache -> (seq, output row, new tokens) of each sequence that received
-        tokens (finished ones included)."""
+        sampled tokens appended, device stops (stop token, length), newly full blocks cached ->
+        (seq, output row, new tokens) of each sequence that received tokens (finished ones too)."""
         for child, parent in plan.forks:
             child.status = Status.RUNNING
             self.running.append(child)

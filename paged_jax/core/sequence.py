@@ -7,6 +7,7 @@ import enum
 
 import numpy as np
 
+from paged_jax.lora.request import LoRARequest
 from paged_jax.sampling_params import SamplingParams
 
 
@@ -114,10 +115,24 @@ class Request:
     # prompt_logprobs needs every prompt token's logits; a beam search's results do not depend on
     # what the cache holds.
     skip_reading_prefix_cache: bool = False
+    lora_request: LoRARequest | None = None  # the adapter it runs with
 
     def __post_init__(self):
         if self.params.prompt_logprobs is not None:
             self.skip_reading_prefix_cache = True
+
+    @property
+    def lora_id(self) -> int:
+        """Its adapter's lora_int_id, 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @property
+    def block_hash_key(self) -> bytes | None:
+        """The prefix cache's extra key (vLLM's extra_keys): the cache salt and the adapter, under
+        which the same tokens have other K/V."""
+        parts = ([self.cache_salt.encode()] if self.cache_salt else []) + (
+            [b"lora:%d" % self.lora_id] if self.lora_id else [])
+        return b"\0".join(parts) or None
 
     @property
     def finished(self) -> bool:

@@ -14,7 +14,7 @@ import sys
 
 import jax.numpy as jnp
 
-from models import quantize
+from models import lora, quantize
 from pallas_kernels import targets, triton_call
 from paged_jax import attention
 from paged_jax.engine import config as config_lib
@@ -63,11 +63,15 @@ class EngineArgs:
                                                       '"num_speculative_tokens": 4, "prompt_lookup_max": 4} or '
                                                       '{"method": "draft_model", "model": PATH, '
                                                       '"num_speculative_tokens": 4}')
+    enable_lora: bool = _arg(False, None, "serve LoRA adapters, each request its own (lora_request)")
+    max_loras: int = _arg(1, int, "LoRA adapters one call runs: the device's adapter slots")
+    max_lora_rank: int = _arg(16, int, "the largest LoRA rank a slot holds")
+    max_cpu_loras: int | None = _arg(None, int, "LoRA adapters kept loaded in host memory (default: max_loras)")
     log_stats: bool = _arg(True, None, "print the KV cache's size at start", cli=False)
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "num_decode_steps", "tensor_parallel_size"):
+                     "num_decode_steps", "tensor_parallel_size", "max_loras", "max_lora_rank", "max_cpu_loras"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -85,7 +89,10 @@ class EngineArgs:
         s = self.swap_space
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not s >= 0:
             raise ValueError(f"swap_space must be a number of GiB >= 0, got {s!r}")
-        for name in ("enable_prefix_caching", "enable_host_prefix_cache", "async_scheduling", "log_stats"):
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        for name in ("enable_prefix_caching", "enable_host_prefix_cache", "async_scheduling", "enable_lora",
+                     "log_stats"):
             if getattr(self, name) not in (True, False):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         # A dict (or --speculative-config's JSON text) becomes the checked SpeculativeConfig.
@@ -173,7 +180,13 @@ class EngineArgs:
             kv_shards=sharding.tensor_parallel_size(mesh), sliding_window=getattr(c, "kv_window", None),
             kv_cache_dtype=self.kv_cache_dtype, preemption_mode=self.preemption_mode, swap_space=self.swap_space,
             enable_host_prefix_cache=self.enable_host_prefix_cache, draft_bytes_per_block=draft_bytes,
-            **speculating)
+            lora=self.lora_config(c), **speculating)
+
+    def lora_config(self, model_config) -> config_lib.LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        return config_lib.LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras,
+                                     lora.LoRAWeights.nbytes_for(model_config, self.max_loras, self.max_lora_rank))
 
     def draft_bytes_per_block(self, target, draft, backend: str) -> int:
         """A draft model's K/V bytes per block, once it is checked against the target: the same

@@ -16,6 +16,17 @@ TOKEN_BYTES = 4  # n-gram speculation's token pages: an int32 token id per KV sl
 
 
 @dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """Serving LoRA adapters (models/lora.py): the device's slots, their rank, the adapters kept
+    loaded on the host, and the slots' bytes on the device (out of the KV budget)."""
+
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     block_size: int
     num_blocks: int  # per layer, the null block included
@@ -36,6 +47,7 @@ class EngineConfig:
     # planned ahead, whose token pages (TOKEN_BYTES a slot on every device, beside its K/V) count in
     # bytes_per_block (worker/ngram_proposer.py); None otherwise
     prompt_lookup: tuple[int, int] | None = None
+    lora: LoRAConfig | None = None  # None: no adapters
 
     @property
     def uses_host_memory(self) -> bool:
@@ -54,7 +66,7 @@ class EngineConfig:
 
 
 def kv_budget_bytes(*, gpu_memory_utilization=None, kv_cache_memory_fraction=None, activation_bytes=None,
-                    memory_stats=None) -> int:
+                    memory_stats=None, unplaced_bytes=0) -> int:
     """Bytes for the KV cache.
 
     On a device with memory stats (GPU, TPU), vLLM's `gpu_memory_utilization` (default 0.9): this
@@ -62,7 +74,8 @@ def kv_budget_bytes(*, gpu_memory_utilization=None, kv_cache_memory_fraction=Non
     activation peak (`activation_bytes()`, measured from the compiled step) and KV together; the KV
     pool gets the rest. `kv_cache_memory_fraction`, when given, wins: that fraction of the memory the
     weights leave free, activations not counted. On CPU (no stats) the device is a fixed
-    CPU_KV_CACHE_BYTES, of which the KV gets either fraction."""
+    CPU_KV_CACHE_BYTES, of which the KV gets either fraction. `unplaced_bytes`: weights the engine
+    puts on the device after sizing the KV (LoRA slots), counted as in use."""
     for name, value in (("gpu_memory_utilization", gpu_memory_utilization),
                         ("kv_cache_memory_fraction", kv_cache_memory_fraction)):
         if value is not None and not 0.0 < value <= 1.0:
@@ -72,7 +85,7 @@ def kv_budget_bytes(*, gpu_memory_utilization=None, kv_cache_memory_fraction=Non
         memory_stats = device.memory_stats() if device.platform != "cpu" else None
     if not memory_stats or "bytes_limit" not in memory_stats:
         return int(CPU_KV_CACHE_BYTES * (kv_cache_memory_fraction or gpu_memory_utilization or DEFAULT_UTILIZATION))
-    total, in_use = memory_stats["bytes_limit"], memory_stats.get("bytes_in_use", 0)
+    total, in_use = memory_stats["bytes_limit"], memory_stats.get("bytes_in_use", 0) + unplaced_bytes
     if kv_cache_memory_fraction is not None:
         return int((total - in_use) * kv_cache_memory_fraction)
     utilization = gpu_memory_utilization or DEFAULT_UTILIZATION
@@ -91,7 +104,7 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
             enable_prefix_caching, attention_backend, kv_dtype, kv_shards=1, sliding_window=None,
             kv_cache_dtype="auto", preemption_mode="recompute", swap_space=4,
             enable_host_prefix_cache=False, memory_stats=None, draft_bytes_per_block=0,
-            num_speculative_tokens=0, prompt_lookup=None) -> EngineConfig:
+            num_speculative_tokens=0, prompt_lookup=None, lora=None) -> EngineConfig:
     """`kv_shards`: devices the KV heads are split over (tensor parallelism); the budget is per
     device, so each block costs a device 1 / kv_shards of its bytes. `sliding_window`: the window every
     layer shares, which bounds the blocks a sequence holds (and so what the pool can use), not its length. `activation_bytes(num_tokens,
@@ -102,12 +115,14 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
     from the local device. `draft_bytes_per_block`: a draft model's K/V in each block (speculative
     decoding: its pages share the target's block ids), counted in the block's bytes, as n-gram
     speculation's token pages are (`prompt_lookup`: see EngineConfig; replicated, so each shard
-    holds them whole)."""
+    holds them whole). `lora`: LoRAConfig or None."""
     # The values alone were checked by EngineArgs; what follows depends on the model and the mesh.
     if preemption_mode == "swap" and kv_shards > 1:
         raise ValueError(f"preemption_mode='swap' with tensor parallelism ({kv_shards} shards) is not built")
     if enable_host_prefix_cache and kv_shards > 1:
         raise ValueError(f"enable_host_prefix_cache with tensor parallelism ({kv_shards} shards) is not built")
+    if lora is not None and kv_shards > 1:
+        raise ValueError(f"enable_lora with tensor parallelism ({kv_shards} shards) is not built")
     on_cpu = jax.default_backend() == "cpu"
     max_num_seqs = max_num_seqs or (16 if on_cpu else 256)
     max_num_batched_tokens = max_num_batched_tokens or (512 if on_cpu else 8192)
@@ -131,7 +146,7 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_fraction=kv_cache_memory_fraction,
             activation_bytes=activation_bytes and (lambda: activation_bytes(max_num_batched_tokens, max_num_seqs,
                                                                             max_model_len)),
-            memory_stats=memory_stats)
+            memory_stats=memory_stats, unplaced_bytes=lora.nbytes if lora else 0)
         num_blocks = min(useful, budget * kv_shards // bytes_per_block)
     if num_blocks < 2:
         raise ValueError(f"the KV cache holds {num_blocks} blocks of {bytes_per_block} bytes; "
@@ -146,7 +161,7 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
                         attention_backend=attention_backend, bytes_per_block=bytes_per_block,
                         kv_cache_dtype=kv_cache_dtype, preemption_mode=preemption_mode,
                         swap_space=float(swap_space), enable_host_prefix_cache=enable_host_prefix_cache,
-                        num_speculative_tokens=num_speculative_tokens, prompt_lookup=prompt_lookup)
+                        num_speculative_tokens=num_speculative_tokens, prompt_lookup=prompt_lookup, lora=lora)
 
 
 def blocks_per_seq(longest: int, block_size: int, sliding_window: int | None = None, step_tokens: int = 0) -> int:

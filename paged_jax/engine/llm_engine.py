@@ -39,11 +39,9 @@ class LLMEngine:
         checks). `mesh`: a jax Mesh with a "model" axis for tensor parallelism
         (paged_jax.worker.sharding); without one, tensor_parallel_size > 1 makes one.
         `preemption_mode` "recompute" (vLLM V1) drops a preempted request's blocks; "swap" (vLLM V0,
-        the paper's section 4.5) copies them to `swap_space` GiB of host memory and back, recomputing
-        only when the host pool is full. `async_scheduling` (vLLM's name): while the device runs a
-        call, the host plans and dispatches the next one (core/async_scheduler.py), then processes
-        the first's output; outputs are the serial engine's (False: each call is planned after the
-        one before is processed)."""
+        the paper's section 4.5) copies them to `swap_space` GiB of host memory and back. With
+        `async_scheduling` (vLLM's name) the host plans and dispatches the next call while the
+        device runs one (core/async_scheduler.py); outputs are the serial engine's."""
         if engine_args is not None and kwargs:
             raise ValueError(f"pass engine_args or keyword arguments, not both (got {sorted(kwargs)})")
         args = self.engine_args = engine_args or EngineArgs(**kwargs)
@@ -86,7 +84,8 @@ class LLMEngine:
             sliding_window=getattr(model.config, "kv_window", None),
             host_pool=HostBlockPool(self.model_runner.num_host_blocks) if c.uses_host_memory else None,
             swap_preemption=c.preemption_mode == "swap", host_tier=c.enable_host_prefix_cache,
-            num_decode_steps=c.num_decode_steps, max_model_len=c.max_model_len)
+            num_decode_steps=c.num_decode_steps, max_model_len=c.max_model_len,
+            max_loras=c.lora.max_loras if c.lora else 0)
         self._in_flight: model_runner.Call | None = None  # a call dispatched, not yet processed
         self.requests: dict[str, Request] = {}
         self._finished_outside_step: set[str] = set()  # rejected or aborted: reported by the next step
@@ -105,16 +104,19 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
-                    cache_salt: str | None = None) -> None:
-        """Queue a request: `prompt` is a string (needs a tokenizer) or a list of token ids."""
+                    cache_salt: str | None = None, lora_request=None) -> None:
+        """Queue a request: `prompt` is a string (needs a tokenizer) or a list of token ids;
+        `lora_request`: a paged_jax.LoRARequest, the adapter it runs with (read here if new)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {params.stop!r} need a tokenizer to detokenize the output")
-        now = time.monotonic()
-        request = Request(request_id, text, ids, params, now, cache_salt=cache_salt)
+        if lora_request is not None:  # a bad adapter raises here, before anything is queued
+            self.model_runner.load_lora(lora_request)
+        request = Request(request_id, text, ids, params, time.monotonic(), cache_salt=cache_salt,
+                          lora_request=lora_request)
         index = next(self._request_counter)
         for i in range(params.n):
             # A raw threefry key per sample, derived on the host (no device work per request): from
@@ -283,13 +285,11 @@ class LLMEngine:
 
     @property
     def block_pool(self):
-        """The block pool (host numpy arrays, updated in place: copy what you keep; its one owner is
-        the scheduler's KV-cache manager)."""
+        """The block pool (host arrays updated in place: copy what you keep), the scheduler's."""
         return self.scheduler.kv_manager.pool
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every prefix-cache entry (vLLM's name); False, changing nothing, while any block is
-        held by a request."""
+        """Forget the prefix cache (vLLM's name); False, changing nothing, while a request holds a block."""
         return self.scheduler.reset_prefix_cache()
 
     # -- metrics -------------------------------------------------------------------------------

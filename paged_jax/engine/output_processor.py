@@ -189,7 +189,7 @@ class OutputProcessor:
                        finish_time=request.finish_time)
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), completions,
                              request.finished, request.num_cached_tokens or 0, request.error, metrics,
-                             self._prompt_logprobs(request, delta))
+                             self._prompt_logprobs(request, delta), request.lora_request)
 
     @staticmethod
     def _cumulative_logprob(seq: Sequence) -> float | None:

@@ -38,3 +38,4 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then one dict per token (the
     # prompt's own token and the top N), once the whole prompt has been computed.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    lora_request: object = None  # the paged_jax.LoRARequest it ran with

@@ -70,15 +70,15 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._run, name="paged-jax-engine", daemon=True)
         self._thread.start()
 
-    def generate(self, request_id: str, prompt, params: SamplingParams, *,
-                 cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt, params: SamplingParams, *, cache_salt: str | None = None,
+                 lora_request=None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they come, the last one `finished`. The request is queued by this
         call (EngineDeadError, EngineBusyError raised here); leaving the iteration early (a client
         gone, a cancelled task) aborts it, which frees its blocks at once."""
-        return self.generate_many([(request_id, prompt)], params, cache_salt=cache_salt)[0]
+        return self.generate_many([(request_id, prompt)], params, cache_salt=cache_salt, lora_request=lora_request)[0]
 
     def generate_many(self, requests: list[tuple[str, object]], params: SamplingParams, *,
-                      cache_salt: str | None = None) -> list[AsyncIterator[RequestOutput]]:
+                      cache_salt: str | None = None, lora_request=None) -> list[AsyncIterator[RequestOutput]]:
         """`generate` for each (request id, prompt), all queued or none (a list prompt's requests)."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped: {self.dead!r}")
@@ -93,7 +93,7 @@ class AsyncLLM:
                                       f"is {self.max_requests}: retry later")
             self._unfinished += len(requests)
             for (request_id, prompt), sink in zip(requests, sinks):
-                self._send(("add", request_id, prompt, params, cache_salt, sink))
+                self._send(("add", request_id, prompt, params, cache_salt, lora_request, sink))
         return [self._outputs(request_id, sink) for (request_id, _), sink in zip(requests, sinks)]
 
     def _release(self, count: int) -> None:
@@ -187,19 +187,19 @@ class AsyncLLM:
                     self.engine.abort_request(command[1])
                     applied.append(command)
                 continue
-            _, request_id, prompt, params, cache_salt, sink = command
+            _, request_id, prompt, params, cache_salt, lora_request, sink = command
             try:
                 if request_id in self._sinks:  # the engine would refuse it too, after we replaced its sink
                     raise ValueError(f"request id {request_id!r} is already in use")
                 self._sinks[request_id] = sink  # first: an engine that dies inside add_request fails it too
-                self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+                self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt, lora_request=lora_request)
             except ValueError as e:
                 if self._sinks.get(request_id) is sink:
                     del self._sinks[request_id]
                 self._release(1)
                 sink.put(e)
                 continue
-            applied.append(command[:5])
+            applied.append(command[:6])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

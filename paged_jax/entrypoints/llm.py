@@ -74,24 +74,31 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts, sampling_params=None, *, use_tqdm=False) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, *, use_tqdm=False, lora_request=None) -> list[RequestOutput]:
         """Outputs in the order of `prompts`: a string, a list of strings, a list of token-id lists,
-        or dicts `{"prompt": str | "prompt_token_ids": list[int], "cache_salt": str}`."""
+        or dicts `{"prompt": str | "prompt_token_ids": list[int], "cache_salt": str}`.
+        `lora_request`: a LoRARequest for every prompt, or a list of one (or None) per prompt
+        (the engine needs enable_lora=True)."""
         prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
         # Check every prompt before queueing any, so a bad one leaves the engine untouched.
         requests = []
-        for prompt, params in zip(prompts, sampling_params):
+        for prompt, params, lora in zip(prompts, sampling_params, loras):
             prompt, salt = _unpack(prompt)
             self.engine.tokenize_prompt(prompt)
+            if lora is not None:
+                self.engine.model_runner.load_lora(lora)
             # Only finished outputs are read here: no per-step copies of every request (vLLM's choice too).
             params = dataclasses.replace(params or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
-            requests.append((f"gen-{next(self._ids)}", prompt, params, salt))
-        for request_id, prompt, params, salt in requests:
-            self.engine.add_request(request_id, prompt, params, cache_salt=salt)
+            requests.append((f"gen-{next(self._ids)}", prompt, params, salt, lora))
+        for request_id, prompt, params, salt, lora in requests:
+            self.engine.add_request(request_id, prompt, params, cache_salt=salt, lora_request=lora)
         order = {request_id: i for i, (request_id, *_) in enumerate(requests)}
         done: dict[str, RequestOutput] = {}
         bar = None

@@ -22,6 +22,7 @@ import json
 import struct
 
 from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.lora.request import LoRARequest
 from paged_jax.sampling_params import RequestOutputKind, SamplingParams
 from paged_jax.worker import distributed, handshake
 
@@ -29,12 +30,13 @@ _LENGTH = struct.Struct("!I")
 
 
 def encode(command: tuple) -> list:
-    """("add", request_id, prompt, SamplingParams, cache_salt) or ("abort", request_id) -> JSON data."""
+    """("add", request_id, prompt, SamplingParams, cache_salt, LoRARequest or None) or ("abort",
+    request_id) -> JSON data."""
     if command[0] == "abort":
         return list(command)
-    kind, request_id, prompt, params, cache_salt = command
+    kind, request_id, prompt, params, cache_salt, lora = command
     fields = dataclasses.asdict(params) | {"output_kind": params.output_kind.name}
-    return [kind, request_id, prompt, fields, cache_salt]
+    return [kind, request_id, prompt, fields, cache_salt, lora and dataclasses.astuple(lora)]
 
 
 def apply(engine: LLMEngine, command: list) -> None:
@@ -42,10 +44,11 @@ def apply(engine: LLMEngine, command: list) -> None:
     if command[0] == "abort":
         engine.abort_request(command[1])
         return
-    _, request_id, prompt, fields, cache_salt = command
+    _, request_id, prompt, fields, cache_salt, lora = command
     params = SamplingParams(**fields | {"output_kind": RequestOutputKind[fields["output_kind"]]})
     try:
-        engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+        engine.add_request(request_id, prompt, params, cache_salt=cache_salt,
+                           lora_request=lora and LoRARequest(*lora))
     except ValueError as e:  # process 0's engine took it: the two engines are no longer the same
         raise RuntimeError(f"request {request_id!r}, which process 0 added, is refused here: {e}") from e
 

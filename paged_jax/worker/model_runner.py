@@ -12,9 +12,11 @@ import numpy as np
 from paged_jax.attention import cache_layout
 from paged_jax.core.model_output import ModelOutput
 from paged_jax.core.plan import Plan
+from paged_jax.lora.request import LoRARequest
 from paged_jax.sampling_params import SAMPLING_EPS
 from paged_jax.worker import batching, ngram_proposer, penalty_state, programs, runner, sampler, sharding
 from paged_jax.worker.host_transfers import CopyOut, HostTransfers
+from paged_jax.worker.lora_manager import LoRAManager
 
 
 def _abstract(tree):
@@ -25,6 +27,11 @@ def _abstract(tree):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
         return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
     return jax.tree.map(leaf, tree)
+
+
+def _rows(lora):
+    """What a call sends of its LoRA inputs: the rows' slots (the weights are on the device)."""
+    return () if lora is None else lora.slots
 
 
 @dataclasses.dataclass
@@ -41,6 +48,7 @@ class Call:
     # Dispatched onto an idle device (the call before it fetched), so its start is the device's:
     # jax's compiles so far then (speculation times such a call unless jax compiled meanwhile).
     compiles: int | None = None
+    lora: object = None  # the call's models.lora.LoRAInputs (a continuation reads them again)
 
 
 class ModelRunner:
@@ -78,6 +86,7 @@ class ModelRunner:
         # row's (SlotParams.allowed, mask_row), or None: the engine's structured-output manager
         # (engine/structured_outputs.py)
         self.bitmask = None
+        self.lora = None if c.lora is None else LoRAManager(model.config, c.lora, self._place)
         self.reset_counters()
 
     def _init_cache(self, model):
@@ -117,41 +126,42 @@ class ModelRunner:
         copying = self.host.start_copy_out(plan, self.state.caches)
         self.copy_blocks(plan.copies_first)
         if plan.is_decode:
-            batch, sp, flags = self._decode_inputs(plan)
+            batch, sp, flags, lora = self._decode_inputs(plan)
             start = time.perf_counter()  # the host's inputs are built: from here on it is the device's call
             if prev is None:
-                sent = (batch, sp)
+                sent = (batch, sp, _rows(lora))
                 batch = self._place(batch)  # placed as continue_decode leaves it: one program for both
             else:
-                sp, sent = prev.sp, (batch.slots, batch.block_tables, batch.num_mapped)
+                sp, lora, sent = prev.sp, prev.lora, (batch.slots, batch.block_tables, batch.num_mapped)
                 batch = runner.continue_decode(prev.batch, prev.out, *sent)
             self.state, out = runner.decode_steps(self.graphdef, self.params, self.state, batch, sp, self.draft_params,
-                                                  flags=flags, num_steps=c.num_decode_steps,
+                                                  lora, flags=flags, num_steps=c.num_decode_steps,
                                                   draft_graphdef=self.draft_graphdef)
-            return Call(plan, out, batch, sp, start, copying, self._count_sent("decode_", sent))
+            return Call(plan, out, batch, sp, start, copying, self._count_sent("decode_", sent), lora=lora)
         self._reset_penalty_rows([s for s, _ in plan.scheduled if s.slot in plan.admitted]
                                  + [child for child, _ in plan.forks])
-        batch, sp, flags = self._prefill_inputs(plan)
+        batch, sp, flags, lora = self._prefill_inputs(plan)
         loads = self.host.load(plan, batch.swap_blocks.shape[0], self.counters)
         start = time.perf_counter()
         self.state, out = runner.prefill_step(self.graphdef, self.params, self.state, batch, sp, loads,
-                                              self.draft_params, flags=flags, draft_graphdef=self.draft_graphdef)
-        return Call(plan, out, batch, sp, start, copying, self._count_sent("", batch, sp))
+                                              self.draft_params, lora, flags=flags, draft_graphdef=self.draft_graphdef)
+        return Call(plan, out, batch, sp, start, copying, self._count_sent("", batch, sp, _rows(lora)), lora=lora)
 
     def _decode_inputs(self, plan: Plan):
-        """(batch, sampling rows, flags) of a decode plan's call, on the host."""
+        """(batch, sampling rows, flags, LoRA inputs or None) of a decode plan's call, on the host."""
         c, seqs = self.config, [seq for seq, _ in plan.scheduled]
         batch = batching.decode_batch(plan, max_num_seqs=c.max_num_seqs, max_blocks_per_seq=c.max_blocks_per_seq)
-        return batch, self._row_params(seqs, batch.slots.shape[0]), self._flags(seqs)
+        rows = batch.slots.shape[0]
+        return batch, self._row_params(seqs, rows), self._flags(seqs), self._lora(seqs, rows)
 
     def _prefill_inputs(self, plan: Plan):
-        """(batch, sampling rows, flags) of a prefill plan's call, on the host."""
+        """(batch, sampling rows, flags, LoRA inputs or None) of a prefill plan's call, on the host."""
         c, seqs = self.config, batching.prefill_rows(plan)
         batch = batching.prefill_batch(plan, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
                                        max_blocks_per_seq=c.max_blocks_per_seq, token_cap=c.max_num_batched_tokens,
                                        num_speculative_tokens=c.num_speculative_tokens)
         sp = self._row_params(seqs, batch.slots.shape[0], plan.drafts, batch.drafts.shape[1] + 1)
-        return batch, sp, self._prefill_flags(seqs, plan, batch)
+        return batch, sp, self._prefill_flags(seqs, plan, batch), self._lora(seqs, batch.slots.shape[0])
 
     def compile(self, plan: Plan) -> None:
         """Compile the programs `dispatch` runs for `plan` without running them: its step, and after
@@ -162,14 +172,15 @@ class ModelRunner:
         c = self.config
         held = _abstract((self.params, self.state, self.draft_params))
         if not plan.is_decode:
-            batch, sp, flags = self._prefill_inputs(plan)
-            runner.prefill_step.lower(self.graphdef, *held[:2], *_abstract((batch, sp)), None, held[2], flags=flags,
-                                      draft_graphdef=self.draft_graphdef).compile()
+            batch, sp, flags, lora = self._prefill_inputs(plan)
+            runner.prefill_step.lower(self.graphdef, *held[:2], *_abstract((batch, sp)), None, held[2], _abstract(lora),
+                                      flags=flags, draft_graphdef=self.draft_graphdef).compile()
             return
-        batch, sp, flags = self._decode_inputs(plan)
+        batch, sp, flags, lora = self._decode_inputs(plan)
         placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=self.placement), batch)
-        step = runner.decode_steps.lower(self.graphdef, *held[:2], placed, *_abstract((sp, held[2])), flags=flags,
-                                         num_steps=c.num_decode_steps, draft_graphdef=self.draft_graphdef).compile()
+        step = runner.decode_steps.lower(self.graphdef, *held[:2], placed, *_abstract((sp, held[2], lora)),
+                                         flags=flags, num_steps=c.num_decode_steps,
+                                         draft_graphdef=self.draft_graphdef).compile()
         out = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), step.out_info[1])
         runner.continue_decode.lower(placed, out, *_abstract((batch.slots, batch.block_tables, batch.num_mapped))).compile()
 
@@ -199,6 +210,17 @@ class ModelRunner:
             self.state = runner.copy_blocks_step(self.state, src, dst, backend=self.config.attention_backend)
 
     # -- inputs --------------------------------------------------------------------------------
+
+    def load_lora(self, request) -> None:
+        """Read a request's LoRA adapter into host memory now (ValueError naming what is wrong)."""
+        if not isinstance(request, LoRARequest):
+            raise ValueError(f"lora_request must be a paged_jax.LoRARequest, got {request!r}")
+        if self.lora is None:
+            raise ValueError(f"lora_request {request.lora_name!r} needs an engine built with enable_lora=True")
+        self.lora.load(request)
+
+    def _lora(self, seqs, num_rows):
+        return None if self.lora is None else self.lora.inputs(seqs, num_rows)
 
     def _row_params(self, seqs, num_rows, drafts=None, width=1):
         bitmask = self.bitmask(seqs, num_rows, drafts, width) if self.bitmask is not None else None

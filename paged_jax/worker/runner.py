@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from models import layers
+from models.lora import LoRAInputs
 from paged_jax.attention import AttentionMetadata, KVCache, copy_blocks
 from paged_jax.core.model_output import ModelOutput, PromptLogprobs
 from paged_jax.worker import draft_proposer, ngram_proposer, penalty_state, rejection_sampler, sampler, swap
@@ -119,7 +120,8 @@ def _move_back(state: DeviceState, batch: PrefillBatch) -> PrefillBatch:
 @functools.partial(jax.jit, static_argnames=("graphdef", "flags", "draft_graphdef"), donate_argnames=("state",),
                    compiler_options=layers.COMPILER_OPTIONS)
 def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: sampler.SlotParams,
-                 swapped=None, draft_params=None, *, flags: Flags, draft_graphdef=None):
+                 swapped=None, draft_params=None, lora: LoRAInputs | None = None, *, flags: Flags,
+                 draft_graphdef=None):
     """One ragged forward over the batch's rows -> (state, ModelOutput with k = 1, or k = J when
     rows carry speculative proposals: each row's verified tokens, worker/rejection_sampler.py).
     `swapped`: the blocks of rows resumed after a swap or hitting the host prefix tier, one entry
@@ -127,9 +129,10 @@ def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: 
     before the forward; None when no row loads any. `draft_graphdef`, `draft_params`: a draft
     model, which proposes the verifying rows' drafts into the slots the host reserved for them (the
     batch's tokens there are stand-ins, written over before the target reads them) and runs over the
-    batch too."""
+    batch too. `lora`: the adapter slots and each row's (the draft runs without them)."""
     num_rows = batch.slots.shape[0]
-    token_slots = batch.slots[jnp.maximum(batch.token_row, 0)]
+    token_row = jnp.maximum(batch.token_row, 0)
+    token_slots = batch.slots[token_row]
     batch = dataclasses.replace(batch, tokens=_fill_pending(state, batch.tokens, token_slots, batch.token_row >= 0))
     verifying = batch.drafts.shape[1] > 0  # static: some row's proposals are scored (speculative decoding)
     if verifying:
@@ -158,8 +161,10 @@ def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: 
     num_wanted = wanted.shape[0]
     if flags.num_prompt_logprobs is not None:  # prompt tokens' logits too, only in steps that ask
         wanted = jnp.concatenate([wanted, jnp.maximum(batch.prompt_lp_tokens, 0)])
+    if lora is not None:  # each token takes its row's adapter
+        lora = dataclasses.replace(lora, slots=jnp.where(batch.token_row >= 0, lora.slots[token_row], -1))
     logits, cache = model(batch.tokens, batch.positions, cache, md, wanted,
-                          backend=flags.backend, mesh=flags.mesh)
+                          backend=flags.backend, mesh=flags.mesh, lora=lora)
     prompt = None
     if flags.num_prompt_logprobs is not None:
         logits, prompt_logits = logits[:num_wanted], logits[num_wanted:]
@@ -199,11 +204,12 @@ def prefill_step(graphdef, params, state: DeviceState, batch: PrefillBatch, sp: 
 @functools.partial(jax.jit, static_argnames=("graphdef", "flags", "num_steps", "draft_graphdef"),
                    donate_argnames=("state",), compiler_options=layers.COMPILER_OPTIONS)
 def decode_steps(graphdef, params, state: DeviceState, batch: DecodeBatch, sp: sampler.SlotParams,
-                 draft_params=None, *, flags: Flags, num_steps: int, draft_graphdef=None):
+                 draft_params=None, lora: LoRAInputs | None = None, *, flags: Flags, num_steps: int,
+                 draft_graphdef=None):
     """Up to `num_steps` decode steps of the batch's rows over the blocks their tables hold (the
     host reserved them for up to num_steps more tokens; a row pauses where its reservation ends)
     -> (state, ModelOutput with k = num_steps). `draft_graphdef`, `draft_params`: a draft model,
-    which writes its K/V of each token beside the target's."""
+    which writes its K/V of each token beside the target's. `lora`: the adapter slots and each row's."""
     model = nnx.merge(graphdef, params)
     draft_model = None if draft_graphdef is None else nnx.merge(draft_graphdef, draft_params)
     num_rows, width = batch.block_tables.shape
@@ -238,7 +244,7 @@ def decode_steps(graphdef, params, state: DeviceState, batch: DecodeBatch, sp: s
         md = AttentionMetadata(slot_mapping=jnp.where(active, block * block_size + positions % block_size, -1),
                                block_tables=batch.block_tables, seq_lens=jnp.where(active, positions + 1, 0),
                                query_start_loc=jnp.arange(num_rows + 1, dtype=jnp.int32), decode_only=True)
-        logits, cache = model(last, positions, caches[0], md, rows, backend=flags.backend, mesh=flags.mesh)
+        logits, cache = model(last, positions, caches[0], md, rows, backend=flags.backend, mesh=flags.mesh, lora=lora)
         caches = (cache, caches[1] if draft_model is None else draft_model(
             last, positions, caches[1], md, rows[:1], backend=flags.backend, mesh=flags.mesh)[1])
         pens = None if counts is None else (counts, penalties[1])

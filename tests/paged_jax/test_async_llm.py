@@ -119,6 +119,7 @@ def test_a_duplicate_request_id_is_refused_and_the_first_request_keeps_its_strea
     while llm.num_unfinished and time.monotonic() < deadline:  # the abort is queued: let the thread apply it
         time.sleep(0.01)
     llm.shutdown()
-    assert [e for e in recorder.log if e != "step"] == [("add", "d", Recorder.HOLD, recorder.log[0][3], None),
+    assert [e for e in recorder.log if e != "step"] == [("add", "d", Recorder.HOLD, recorder.log[0][3], None,
+                                                        None),
                                                        ("abort", "d")]
     assert llm.num_unfinished == 0

@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from paged_jax import SamplingParams  # noqa: E402
+from paged_jax import LoRARequest, SamplingParams  # noqa: E402
 from paged_jax.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from paged_jax.sampling_params import RequestOutputKind  # noqa: E402
 from paged_jax.entrypoints import step_broadcast  # noqa: E402
@@ -198,10 +198,10 @@ class Recorder:
     def __init__(self):
         self.log, self.added, self.held = [], [], set()
 
-    def add_request(self, request_id, prompt, params, *, cache_salt=None):
+    def add_request(self, request_id, prompt, params, *, cache_salt=None, lora_request=None):
         if not prompt:
             raise ValueError("the prompt is empty: []")
-        self.log.append(("add", request_id, prompt, params, cache_salt))
+        self.log.append(("add", request_id, prompt, params, cache_salt, lora_request))
         if prompt == self.HOLD:
             self.held.add(request_id)
         else:
@@ -289,9 +289,12 @@ def test_a_command_crosses_the_channels_json_unchanged():
                             stop_token_ids=[2], max_tokens=9, min_tokens=1, logprobs=2, presence_penalty=0.1,
                             output_kind=RequestOutputKind.DELTA)
     recorder = Recorder()
-    for command in (("add", "r-0", [4, 5, 6], params, "salt"), ("abort", "r-0")):
+    lora = LoRARequest("sql", 3, "/adapters/sql")
+    for command in (("add", "r-0", [4, 5, 6], params, "salt", None), ("abort", "r-0"),
+                    ("add", "r-2", [4], params, None, lora)):
         step_broadcast.apply(recorder, json.loads(json.dumps(step_broadcast.encode(command))))
-    assert recorder.log == [("add", "r-0", [4, 5, 6], params, "salt"), ("abort", "r-0")]
+    assert recorder.log == [("add", "r-0", [4, 5, 6], params, "salt", None), ("abort", "r-0"),
+                            ("add", "r-2", [4], params, None, lora)]
     with pytest.raises(RuntimeError, match=r"request 'r-1', which process 0 added, is refused here: "
                                            r"the prompt is empty: \[\]"):
-        step_broadcast.apply(recorder, step_broadcast.encode(("add", "r-1", [], params, None)))
+        step_broadcast.apply(recorder, step_broadcast.encode(("add", "r-1", [], params, None, None)))

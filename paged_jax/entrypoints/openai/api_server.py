@@ -124,12 +124,13 @@ async def _read_json(request: Request, limit: int, serving: Serving) -> dict:
 
 def build_app(llm: AsyncLLM, *, model_name: str, metrics: Metrics, api_key: str | None = None,
               max_request_bytes: int = MAX_REQUEST_BYTES, model_root: str | None = None,
-              tool_parser=None, enable_auto_tool_choice: bool = False, warm_up=None) -> FastAPI:
+              tool_parser=None, enable_auto_tool_choice: bool = False, warm_up=None, lora_modules=()) -> FastAPI:
     """`warm_up`: an engine.warm_up.WarmUp running in the background: /health is 503 (with its
     progress) until it ends, while requests are served (compiling what they need if it is not
-    ready yet)."""
+    ready yet). `lora_modules`: LoRARequests that clients name as their model."""
     app = FastAPI(title="paged-jax", version=paged_jax.__version__)
-    serving = Serving(llm, model_name, tool_parser=tool_parser, enable_auto_tool_choice=enable_auto_tool_choice)
+    serving = Serving(llm, model_name, tool_parser=tool_parser, enable_auto_tool_choice=enable_auto_tool_choice,
+                      lora_modules=lora_modules)
     engine = llm.engine
 
     @app.exception_handler(APIError)
@@ -172,9 +173,10 @@ def build_app(llm: AsyncLLM, *, model_name: str, metrics: Metrics, api_key: str 
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": int(time.time()), "owned_by": "paged-jax",
-            "root": model_root or model_name, "parent": None, "max_model_len": engine.config.max_model_len}]}
+        card = dict(object="model", created=int(time.time()), owned_by="paged-jax",
+                    max_model_len=engine.config.max_model_len)
+        return {"object": "list", "data": [{"id": model_name, **card, "root": model_root or model_name, "parent": None}]
+                + [{"id": r.lora_name, **card, "root": r.lora_path, "parent": model_name} for r in lora_modules]}
 
     @app.get("/health")
     async def health():

@@ -26,6 +26,7 @@ from paged_jax.entrypoints.async_llm import AsyncLLM
 from paged_jax.entrypoints.openai.api_server import MAX_REQUEST_BYTES, build_app
 from paged_jax.entrypoints.openai.metrics import Metrics
 from paged_jax.entrypoints.step_broadcast import StepReceiver, StepSender, follow, summary
+from paged_jax.lora.request import parse_lora_modules
 from paged_jax.worker import distributed
 
 
@@ -54,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tool-call-parser", metavar="NAME",
                     help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>: Qwen 2.5/3, "
                          "Hermes) or llama3_json (Llama 3.1-3.3)")
+    ap.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                    help='LoRA adapters clients ask for by name as their model (PEFT directories; NAME=PATH or '
+                         '{"name": NAME, "path": PATH}; needs --enable-lora)')
     EngineArgs.add_cli_args(ap)
     cli_args.add_distributed_args(ap)
     return ap.parse_args(argv)
@@ -95,6 +99,12 @@ def main(argv=None) -> None:
             fail(f"--tool-call-parser: {e}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         fail("--enable-auto-tool-choice needs --tool-call-parser")
+    try:
+        args.lora_modules = parse_lora_modules(args.lora_modules)
+    except ValueError as e:
+        fail(f"--lora-modules: {e}")
+    if args.lora_modules and not args.enable_lora:
+        fail("--lora-modules needs --enable-lora")
     if args.process_id == 0:
         _check_port_free(args.host, args.port)
     model = args.model or str(embedded_model())
@@ -118,6 +128,8 @@ def _build(args, model: str):
         compilation_cache.enable(args.compilation_cache_dir)
     try:
         llm = LLM(model, **engine_args.kwargs())
+        for lora in args.lora_modules:  # read at start: a bad adapter stops the server now
+            llm.engine.model_runner.load_lora(lora)
         tokenizer = llm.get_tokenizer()
         if args.chat_template:
             if tokenizer is None:
@@ -179,7 +191,8 @@ def _serve(args, llm, model: str) -> None:
     warming = _warm_up(args, llm.engine)
     app = build_app(async_llm, model_name=name, metrics=metrics, api_key=args.api_key,
                     max_request_bytes=args.max_request_bytes, model_root=model, tool_parser=args.tool_call_parser,
-                    enable_auto_tool_choice=args.enable_auto_tool_choice, warm_up=warming)
+                    enable_auto_tool_choice=args.enable_auto_tool_choice, warm_up=warming,
+                    lora_modules=args.lora_modules)
     print(f"paged-jax-serve: serving {name!r} on http://{args.host}:{args.port}", flush=True)
     # uvicorn stops gracefully on SIGINT or SIGTERM and then raises the signal again, under the
     # handlers it found: ignored, so that the shutdown below runs (a job's followers need its stop

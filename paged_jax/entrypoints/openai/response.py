@@ -31,6 +31,7 @@ class ChoicesResponse:
                  token_ids_as_tokens: bool, tools=None):
         self.serving, self.id, self.chat, self.n, self.prompts = serving, request_id, chat, n, prompts
         self.options = options
+        self.model = options.model or serving.model_name  # an adapter's name when it asked for one
         self.tools = tools  # tool_calling.ToolCalling of a chat request with tools, or None
         self.token_ids_as_tokens = token_ids_as_tokens  # vLLM's return_tokens_as_token_ids: "token_id:7"
         self.created = int(time.time())
@@ -138,7 +139,7 @@ class ChoicesResponse:
                 if self.options.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = _prompt_logprobs_json(self.prompt_logprobs[index // self.n])
             choices.append(choice)
-        body = {"id": self.id, "object": self.object, "created": self.created, "model": self.serving.model_name,
+        body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}
         if self.chat and self.options.prompt_logprobs is not None:  # vLLM puts chat's on the response
             body["prompt_logprobs"] = _prompt_logprobs_json(self.prompt_logprobs[0])
@@ -162,7 +163,7 @@ class ChoicesResponse:
 
     def _chunk(self, choices) -> dict:
         return {"id": self.id, "object": self.object + (".chunk" if self.chat else ""), "created": self.created,
-                "model": self.serving.model_name, "choices": choices}
+                "model": self.model, "choices": choices}
 
     async def events(self, outputs) -> AsyncIterator[str]:
         """SSE lines: a chunk per choice that has new text (or finished), `finish_reason` once on each

@@ -20,8 +20,9 @@ from paged_jax.entrypoints.openai.tool_calling import ToolCalling, template_mess
 
 class Serving:
     def __init__(self, llm: AsyncLLM, model_name: str, *, workers: int = 4, tool_parser=None,
-                 enable_auto_tool_choice: bool = False):
+                 enable_auto_tool_choice: bool = False, lora_modules=()):
         self.llm, self.model_name = llm, model_name
+        self.loras = {r.lora_name: r for r in lora_modules}  # asked for by name, as a model
         self.tool_parser, self.enable_auto_tool_choice = tool_parser, enable_auto_tool_choice
         self.engine = llm.engine  # only its tokenizer and configuration are read here (thread-safe)
         self.tokenizer = self.engine.tokenizer
@@ -36,9 +37,13 @@ class Serving:
 
     # -- checking a request ---------------------------------------------------------------------
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+    def check_model(self, name: str | None):
+        """-> the LoRARequest a request's model names, None for the base model (404 for another)."""
+        if name is None or name == self.model_name:
+            return None
+        if name not in self.loras:
             raise protocol.not_found(f"The model `{name}` does not exist.")
+        return self.loras[name]
 
     def encode(self, prompt) -> list[int]:
         try:
@@ -79,7 +84,7 @@ class Serving:
         RequestValidationError when the body does not fit its model (OpenAI's 400 naming the field)."""
         request = await self.off_loop((ChatCompletionRequest if chat else CompletionRequest).parse, body)
         options = protocol.read_options(request)
-        self.check_model(options.model)
+        lora = self.check_model(options.model)
         max_tokens = protocol.requested_max_tokens(request)
         params = protocol.read_sampling_params(request, max_tokens=max_tokens, options=options)
         if params.n > self.engine.config.max_num_seqs:  # before the KV-cache check, which n also fails
@@ -103,7 +108,7 @@ class Serving:
                                    token_ids_as_tokens=request.return_tokens_as_token_ids)
         try:
             streams = self.llm.generate_many([(f"{request_id}-{i}", ids) for i, ids in enumerate(prompts)],
-                                             params, cache_salt=options.cache_salt)
+                                             params, cache_salt=options.cache_salt, lora_request=lora)
         except EngineBusyError as e:
             raise busy(str(e)) from None
         except EngineDeadError as e:
