@@ -41,9 +41,10 @@ class LoRAManager:
 
     def inputs(self, seqs, num_rows: int) -> lora.LoRAInputs:
         """The call's LoRAInputs: the slots (loading what its rows need) and each row's slot (host
-        i32[num_rows]), -1 for a row without an adapter and for padding rows."""
-        self.calls += 1
+        i32[num_rows]), -1 for a row without an adapter and for padding rows. Rows without adapters
+        change nothing here (the warm-up's compiles call this from other threads)."""
         requests = {s.request.lora_id: s.request.lora_request for s in seqs if s.request.lora_id}
+        self.calls += bool(requests)
         if len(requests) > len(self.slot_ids):
             raise RuntimeError(f"internal error: a call needs {len(requests)} LoRA adapters, "
                                f"max_loras is {len(self.slot_ids)}")

@@ -172,6 +172,24 @@ def test_spec_decode_section_compares_each_workload_and_batch_with_and_without(t
     assert all(r["ratio"] == 1.0 and r["verifications"] == 0 for r in rows[::2])
 
 
+def test_lora_section_runs_each_way_against_the_engine_without_lora(tmp_path, monkeypatch):
+    """The section on stories260K, 8 prompts of 8 tokens: the rows without an adapter give the base
+    engine's tokens; the slots load each adapter once (one slot: one after another)."""
+    from scripts import lora_section
+
+    monkeypatch.setattr(lora_section, "WORKLOADS", {"free": ["Lily wanted to", "Once upon a time"] * 4})
+    monkeypatch.setattr(lora_section, "REPEATS", 1)
+    out = tmp_path / "lora.json"
+    benchmark_throughput.main(["--section", "lora", "--kv-model", "tests/data/stories260K", "--output-len", "8",
+                               "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["name"] for r in rows] == ["no LoRA", "LoRA on, no adapter", "LoRA on, 1 adapter",
+                                         "LoRA on, 4 adapters x 2", "1 slot, 4 adapters x 2"]
+    assert [r["loads"] for r in rows] == [0, 0, 1, 3, 4]
+    assert [r["same_tokens"] for r in rows[:2]] == [1.0, 1.0] and rows[0]["ratio"] == 1.0
+    assert all(r["output_tokens"] == 64 for r in rows)
+
+
 def test_proposals_benchmark_checks_both_ways_propose_the_same(capsys):
     """Each call's drafts from the batched lookup equal the per-row search's (the script raises
     otherwise); the rows that quote their own start (every other one) propose."""
