@@ -42,6 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--speculative-config", default=None,
                    help='vLLM\'s JSON, a draft\'s "model" a config.json: the engine then verifies proposals too')
+    p.add_argument("--max-loras", type=int, default=0,
+                   help="enable_lora with this many adapter slots (0: LoRA off); --max-lora-rank their rank")
+    p.add_argument("--max-lora-rank", type=int, default=16)
     p.add_argument("--programs", default="all", choices=gpu_programs.PROGRAM_SETS,
                    help="quick: the smallest and largest bucket of each; largest: the largest prefill and decode")
     p.add_argument("--no-cache", action="store_true", help="compile afresh (gpu_compile.CACHE_DIR unread)")
@@ -91,7 +94,8 @@ def main(argv=None):
             temp_bytes=temp_bytes, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
             gpu_memory_utilization=args.gpu_memory_utilization, speculative_config=args.speculative_config,
-            attention_backend=args.attention_backend)
+            attention_backend=args.attention_backend,
+            lora=(args.max_loras, args.max_lora_rank) if args.max_loras else None)
     except gpu_programs.DoesNotFit as e:
         sys.exit(f"does not fit: {e}")
     c = engine.config

@@ -20,7 +20,7 @@ class AbstractEngine:
     model: Any  # the model with ShapeDtypeStruct weights, placed on `placement`
     config: config_lib.EngineConfig
     placement: Mesh  # the compile-only devices, axis sharding.AXIS
-    weight_bytes: int  # per device, a draft model's included
+    weight_bytes: int  # per device, a draft model's and the LoRA slots included
     draft_model: Any = None  # speculative decoding's draft, placed as `model` is
 
     @property

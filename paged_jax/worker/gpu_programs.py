@@ -1,9 +1,8 @@
-"""The engine's programs for a GPU that is not here: the engine built as `LLM` builds it on that GPU,
-with abstract weights placed on compile-only devices (`abstract_engine`), its KV pool sized from
-the GPU's memory the way `gpu_memory_utilization` sizes it, and every jitted entry point a
-warmed-up engine runs, each with abstract arguments built by the engine's own builders
-(`batching.prefill_batch` / `decode_batch` on a synthetic plan). The one place that knows how the
-runner's entry points are called: when their signatures change, the `*_program` functions follow."""
+"""The engine's programs for a GPU that is not here: the engine built as `LLM` builds it on that GPU
+(abstract weights on compile-only devices, `abstract_engine`; its KV pool sized from the GPU's
+memory as `gpu_memory_utilization` sizes it), and every jitted entry point a warmed-up engine runs,
+with abstract arguments from the engine's own builders (`batching.prefill_batch` / `decode_batch` on
+a synthetic plan). The one place that knows how the runner's entry points are called."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from models.checkpoint import MODEL_REGISTRY, read_config
+from models.lora import LoRAInputs, LoRAWeights
 from paged_jax.attention import cache_layout, check_kv_cache_dtype, resolve_backend
 from paged_jax.core.plan import Plan
 from paged_jax.core.sequence import Request, Sequence
@@ -37,8 +37,7 @@ class Program:
     fn: Callable  # a jitted entry point
     args: tuple  # abstract (ShapeDtypeStruct leaves, placed)
     static: dict  # its static keyword arguments
-    # The host's values of the batch arguments (None for the weights and the cache), for a timed
-    # run: zeros for them would make every row dead and the decode loop run no step.
+    # The host's values of the batch arguments (None: zeros), for a timed run (zero batches are dead rows).
     values: tuple = ()
     # The model work one call does, for a roofline (XLA's cost analysis counts a loop body once):
     steps: int = 0  # forwards through the model
@@ -46,24 +45,22 @@ class Program:
     kv_tokens: int = 0  # cached tokens each forward's attention reads
     draft_steps: int = 0  # a draft model's decode steps alone before them (its proposals)
     draft_tokens: int = 0  # tokens each draft step computes (one a row)
-    # Elements of one layer's slice of each stacked weight -> its name (AbstractEngine.layer_slices):
-    # a copy of one in the compiled program is reported (gpu_compile.ProgramStats.copied_layer_slices).
+    # One layer's slice of each stacked weight (elements) -> its name: copies of one are reported.
     layer_slices: dict = dataclasses.field(default_factory=dict)
 
 
 def build(model_cls, model_config, devices, *, bytes_limit: int, temp_bytes: Callable[[Program], int],
           max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None, kv_cache_dtype: str = "auto",
           block_size: int = 16, num_decode_steps: int = 8, gpu_memory_utilization: float | None = None,
-          speculative_config=None, attention_backend: str = "auto"):
+          speculative_config=None, attention_backend: str = "auto", lora: tuple[int, int] | None = None):
     """-> AbstractEngine for compile-only `devices` of one GPU kind whose jax allocator holds
-    `bytes_limit` each (gpu_target.jax_bytes_limit), sized as `LLMEngine.__init__` sizes it: config_lib.resolve, with the activation peak read from the
-    largest prefill step compiled for that GPU (`temp_bytes(program)`: its temp bytes; the KV pages
-    are donated, so a 2-block pool gives the same figure, as model_runner.activation_bytes
-    measures it). `max_model_len` None: the model's limit, cut to what the pool holds (resolve's rule
-    for a GPU; on this CPU host resolve would pick its CPU default instead). `speculative_config`:
-    vLLM's dict (or JSON), a draft model's "model" an HF config.json, a directory holding one or
-    a model config. `attention_backend` resolves as the engine resolves it on that GPU ("auto":
-    Mosaic GPU on Hopper for the models it takes, else Triton, else the jnp reference)."""
+    `bytes_limit` each (gpu_target.jax_bytes_limit), sized as `LLMEngine.__init__` sizes it
+    (config_lib.resolve), the activation peak read from the largest prefill step compiled for that
+    GPU (`temp_bytes(program)`; the KV pages are donated, so a 2-block pool gives the same figure).
+    `max_model_len` None: the model's limit, cut to what the pool holds (resolve's rule for a GPU).
+    `speculative_config`: vLLM's dict (or JSON), a draft's "model" an HF config.json, a directory
+    holding one or a model config. `attention_backend` resolves as the engine resolves it on that
+    GPU. `lora`: (max_loras, max_lora_rank) of enable_lora, or None."""
     mesh = Mesh(np.array(devices), (sharding.AXIS,))
     model = abstract_engine.abstract_model(model_cls, model_config, mesh)
     spec, draft, draft_bytes = spec_config.SpeculativeConfig.parse(speculative_config), None, 0
@@ -90,7 +87,8 @@ def build(model_cls, model_config, devices, *, bytes_limit: int, temp_bytes: Cal
                  num_decode_steps=num_decode_steps, long_prefill_token_threshold=0, enable_prefix_caching=True,
                  attention_backend=backend, kv_dtype=kv_dtype, kv_shards=mesh.size,
                  sliding_window=getattr(model.config, "kv_window", None), kv_cache_dtype=kv_cache_dtype,
-                 draft_bytes_per_block=draft_bytes, **spec_config.engine_fields(spec))
+                 draft_bytes_per_block=draft_bytes, **spec_config.engine_fields(spec),
+                 lora=lora and config_lib.LoRAConfig(*lora, lora[0], LoRAWeights.nbytes_for(model.config, *lora)))
     probe = abstract_engine.AbstractEngine(model, config_lib.resolve(model.config, num_blocks=2, **sizes), mesh,
                                            weights, draft)
 
@@ -107,14 +105,21 @@ def build(model_cls, model_config, devices, *, bytes_limit: int, temp_bytes: Cal
         raise DoesNotFit(f"{largest.name} needs {temps} bytes of temps: {e}") from e
     if max_model_len is None and config.max_model_len > (config.num_blocks - 1) * block_size:
         config = dataclasses.replace(config, max_model_len=(config.num_blocks - 1) * block_size)
-    return abstract_engine.AbstractEngine(model=model, config=config, placement=mesh, weight_bytes=weights,
-                                          draft_model=draft)
+    return abstract_engine.AbstractEngine(model=model, config=config, placement=mesh, draft_model=draft,
+                                          weight_bytes=weights + (config.lora.nbytes if config.lora else 0))
 
 
 # -- abstract arguments --------------------------------------------------------------------------
 
 def _replicated(engine, tree):
     return abstract_engine.placed(tree, P(), engine.placement)
+
+
+def _lora(engine, num_rows: int) -> LoRAInputs | None:
+    """enable_lora's adapter slots (every program carries them) and each row's slot."""
+    lora = engine.config.lora
+    weights = lora and jax.eval_shape(lambda: LoRAWeights.zeros(engine.model.config, lora.max_loras, lora.max_lora_rank))
+    return lora and _replicated(engine, LoRAInputs(weights, np.zeros(num_rows, np.int32)))
 
 
 def _cache(engine, model):
@@ -141,8 +146,7 @@ def _state(engine, *, penalties=False) -> runner.DeviceState:
 
 
 def _sequences(lengths, slot_offset=0) -> list[Sequence]:
-    """Running sequences of these token counts (one sampled token each so far), which stop only at
-    max_model_len, so a timed decode call runs each row for all its steps."""
+    """Running sequences of these token counts (one sampled token each), stopping only at max_model_len."""
     request = Request("synthetic", None, [], SamplingParams(temperature=1.0, max_tokens=None), 0.0)
     seqs = [Sequence(request, 0, [0] * n, np.zeros(2, np.uint32)) for n in lengths]
     for i, seq in enumerate(seqs):
@@ -152,8 +156,7 @@ def _sequences(lengths, slot_offset=0) -> list[Sequence]:
 
 
 def _set_tables(config, plan: Plan, mapped: list[int]) -> None:
-    """What the scheduler's pool gives a plan: each row (scheduled, then forked children) a table of
-    distinct blocks covering its `mapped` tokens, as wide as the widest."""
+    """What the pool gives a plan: each row (scheduled, then forks) distinct blocks for its `mapped` tokens."""
     blocks = [-(-n // config.block_size) for n in mapped]
     plan.block_tables = np.zeros((len(mapped), max(blocks + [1])), np.int32)
     for i, n in enumerate(blocks):
@@ -205,9 +208,9 @@ def _prefill(engine, label: str, plan: Plan, batch, flags_kw: dict, num_tokens: 
     graphdef, params, draft_params, static = _models(engine, flags_kw)
     return Program(f"{label} T={batch.tokens.shape[0]} B={len(plan.scheduled)} W={batch.block_tables.shape[1]}",
                    runner.prefill_step, (graphdef, params, state, _replicated(engine, batch), _replicated(engine, sp),
-                                         swapped, draft_params), static,
+                                         swapped, draft_params, _lora(engine, batch.slots.shape[0])), static,
                    steps=1, tokens=num_tokens, kv_tokens=int(batch.attn_seq_lens.sum()),
-                   values=(None, None, None, batch, sp, None, None), layer_slices=engine.layer_slices())
+                   values=(None, None, None, batch, sp, None, None, None), layer_slices=engine.layer_slices())
 
 
 def verify_program(engine, num_rows: int) -> Program:
@@ -245,14 +248,14 @@ def decode_program(engine, num_rows: int, *, random=True, penalties=False) -> Pr
     kind += " +penalties" if penalties else ""
     return Program(f"decode{kind} K={c.num_decode_steps} B={num_rows} W={width}", runner.decode_steps,
                    (graphdef, params, _state(engine, penalties=penalties), _replicated(engine, batch),
-                    _replicated(engine, sp), draft_params), dict(static, num_steps=c.num_decode_steps),
-                   steps=c.num_decode_steps, tokens=num_rows, kv_tokens=sum(lengths),
-                   values=(None, None, None, batch, sp, None), layer_slices=engine.layer_slices())
+                    _replicated(engine, sp), draft_params, _lora(engine, batch.slots.shape[0])),
+                   dict(static, num_steps=c.num_decode_steps), steps=c.num_decode_steps, tokens=num_rows,
+                   kv_tokens=sum(lengths), values=(None, None, None, batch, sp, None, None),
+                   layer_slices=engine.layer_slices())
 
 
 def pool_programs(engine) -> list[Program]:
-    """The small programs beside the steps (the pool itself is the host's): a beam-search fork's
-    block copies, penalty rows, and the swap-out gather."""
+    """The small programs beside the steps: a beam-search fork's block copies, penalty rows, swap-out."""
     c = engine.config
     i32 = functools.partial(np.zeros, dtype=np.int32)
     state = _state(engine)

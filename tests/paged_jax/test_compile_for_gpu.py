@@ -197,6 +197,23 @@ def test_speculative_decoding_compiles_and_fits(tmp_path, model, spec, verify):
                         ngram=spec["method"] == "ngram")
 
 
+def test_lora_slots_compile_and_fit(tmp_path):
+    """enable_lora with 4 slots of rank 16 on Llama-3.1-8B for an H100: every program carries the
+    slots, their bytes (counted here from the HF config) come out of the KV budget, and the layer
+    loop still reads each layer's weights in place beside the slots sliced with them."""
+    status, figures, err = compile_for_gpu(tmp_path, "h100", "llama-3.1-8b", "--programs", "largest",
+                                           "--max-loras", "4", "--max-lora-rank", "16")
+    assert status == 0, err[-3000:]
+    hf = json.load(open(os.path.join(CONFIGS, "llama-3.1-8b.json")))
+    h, f, hd = hf["hidden_size"], hf["intermediate_size"], hf["hidden_size"] // hf["num_attention_heads"]
+    q, kv = hf["num_attention_heads"] * hd, hf["num_key_value_heads"] * hd
+    features = (h + q) + 2 * (h + kv) + (q + h) + 3 * (h + f)  # in + out of q, k, v, o, gate, up, down
+    slots = hf["num_hidden_layers"] * 4 * 16 * 2 * features  # bf16
+    assert figures["config"]["lora"]["nbytes"] == slots == 320 * 2**20
+    assert figures["weight_bytes"] == 2 * parameter_count("llama-3.1-8b") + slots
+    check_sized_as_vllm(figures, "h100", "llama-3.1-8b")
+
+
 @pytest.mark.parametrize("kv_cache_dtype,page_bytes", [("int8", 1), ("fp8_e4m3", 1)])
 def test_quantized_kv_compiles_for_h100(tmp_path, kv_cache_dtype, page_bytes):
     status, figures, err = compile_for_gpu(tmp_path, "h100", "qwen3-0.6b", "--programs", "largest",
