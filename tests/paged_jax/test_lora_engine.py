@@ -70,6 +70,24 @@ def test_adapters_in_one_batch_give_their_merged_models_tokens(setup, expected, 
     assert_pool_drained(llm)
 
 
+@pytest.mark.usefixtures("untimed_speculation")
+def test_speculation_verifies_with_each_rows_adapter(setup, expected):
+    """A draft model (the base model itself, which runs without adapters) proposes; the target
+    verifies each row with its own adapter: the adapter rows reject drafts the base model would
+    accept, and every row's greedy tokens stay its merged model's."""
+    model, (one, two), _ = setup
+    llm = make_llm(model, max_loras=2, speculative_config={"method": "draft_model", "model": model,
+                                                           "num_speculative_tokens": 3})
+    loras = [one, None, two, one]
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0), lora_request=loras)
+    for i, (out, lora) in enumerate(zip(outs, loras)):
+        assert out.outputs[0].token_ids == expected[lora and lora.lora_int_id][i], i
+    stats = llm.stats()
+    assert stats["spec_decode_num_drafts"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    assert_pool_drained(llm)
+
+
 def test_one_slot_runs_one_adapter_at_a_time(setup, expected, monkeypatch):
     """max_loras=1: no call mixes the two adapters (the scheduler sets a request aside while the
     other adapter runs, and admits base requests beside it); outputs stay exact."""
