@@ -20,7 +20,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 from jax import monitoring  # noqa: E402
 
-from paged_jax import LLM, SamplingParams, compilation_cache  # noqa: E402
+from paged_jax import LLM, LoRARequest, SamplingParams, compilation_cache  # noqa: E402
 from paged_jax.engine.arg_utils import EngineArgs  # noqa: E402
 from paged_jax.entrypoints import cli_args  # noqa: E402
 from paged_jax.entrypoints.llm import load_model  # noqa: E402
@@ -85,11 +85,11 @@ def chat_inputs(tokenizer, prompts) -> list[list[int]]:
     return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True) for p in prompts]
 
 
-def stream(llm, prompts, inputs, params):
+def stream(llm, prompts, inputs, params, lora):
     """Print each completion as its tokens arrive; requests run batched, shown one after another.
     `inputs`: what the engine is given for each prompt (the chat-templated ids with --chat)."""
     for i, prompt in enumerate(inputs):
-        llm.engine.add_request(str(i), prompt, params)
+        llm.engine.add_request(str(i), prompt, params, lora_request=lora)
     order = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
     texts, finished, errors = dict.fromkeys(order, ""), set(), {}
     shown, printed = 0, -1  # order[shown] is on screen up to `printed` characters; -1: not started
@@ -127,6 +127,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 ("--top-k", int, 0), ("--n", int, 1)):
         ap.add_argument(flag, type=kind, default=default, help=f"default: {default}")
     ap.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    ap.add_argument("--lora-path", metavar="DIR", help="a PEFT LoRA adapter every prompt runs with (turns on "
+                                                       "--enable-lora; --max-lora-rank bounds its rank)")
     ap.add_argument("--chat", action="store_true",
                     help="send each prompt as a user message through the model's chat template")
     ap.add_argument("--compilation-cache-dir", metavar="DIR",
@@ -141,7 +143,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None):
     args = parse_args(argv)
     try:
-        engine_args = EngineArgs.from_cli_args(args, log_stats=args.process_id == 0 or args.print_all_processes)
+        engine_args = EngineArgs.from_cli_args(args, log_stats=args.process_id == 0 or args.print_all_processes,
+                                               enable_lora=args.enable_lora or args.lora_path is not None)
+        lora = args.lora_path and LoRARequest("adapter", 1, args.lora_path)
         cli_args.initialize_distributed(args)  # before anything touches a device
         if not args.no_compilation_cache:  # before anything compiles: jax opens the cache once
             compilation_cache.enable(args.compilation_cache_dir)
@@ -151,21 +155,23 @@ def main(argv=None):
         model, tokenizer = load(args)
         inputs = chat_inputs(tokenizer, prompts) if args.chat else prompts
         llm = LLM(model, tokenizer=tokenizer, **engine_args.kwargs())
+        if lora:  # read now: a bad adapter is one line, before anything runs
+            llm.engine.model_runner.load_lora(lora)
     except (OSError, ValueError, ImportError) as e:  # ImportError: --chat without jinja2
         fail(str(e))
     # Every process runs the same generation (each step is one program across all of them); one prints.
     quiet = args.process_id != 0 and not args.print_all_processes
     with open(os.devnull, "w") if quiet else contextlib.nullcontext(sys.stdout) as out, contextlib.redirect_stdout(out):
-        report(args, llm, prompts, inputs, params)
+        report(args, llm, prompts, inputs, params, lora)
 
 
-def report(args, llm, prompts, inputs, params):
+def report(args, llm, prompts, inputs, params, lora):
     start = time.perf_counter()
     with compile_timer() as compile_s:
         if args.stream:
-            stream(llm, prompts, inputs, params)
+            stream(llm, prompts, inputs, params, lora)
         else:
-            outputs = llm.generate(inputs, params, use_tqdm=len(prompts) >= TQDM_FROM)
+            outputs = llm.generate(inputs, params, use_tqdm=len(prompts) >= TQDM_FROM, lora_request=lora)
             for i, out in enumerate(outputs):
                 for c in out.outputs:
                     print(header(i, c.index, len(prompts), args.n) + prompts[i] + c.text)

@@ -163,3 +163,27 @@ def test_speculative_decoding_gives_the_same_text_and_reports_acceptance(capsys,
                       r"([\d.]+)$", spec, re.MULTILINE)
     assert found and int(found[1]) > 0 and 0 < float(found[2]) <= 100 and float(found[3]) > 1
     assert "speculation" not in plain
+
+
+def test_lora_path_runs_every_prompt_with_the_adapter(tmp_path, capsys):
+    """--lora-path on the embedded model: the greedy text of LLM.generate with that adapter (not the
+    base model's); a rank above --max-lora-rank is one line and exit 2."""
+    from models.checkpoint import read_config
+    from paged_jax import LLM, LoRARequest, SamplingParams
+    from tests.models.model_testing import save_peft_adapter
+
+    model = generate.DEFAULT_MODEL
+    save_peft_adapter(tmp_path / "adapter", read_config(model), rank=8, alpha=16, seed=1)
+    args = ["--prompt", "def add(a, b):\\n", "--max-tokens", "12", "--temperature", "0", "--no-compilation-cache"]
+    generate.main(args + ["--lora-path", str(tmp_path / "adapter"), "--max-lora-rank", "8"])
+    text = capsys.readouterr().out.split("\nrequests ")[0]
+    llm = LLM(str(model), log_stats=False, enable_lora=True, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    adapter = llm.generate(["def add(a, b):\n"], params, lora_request=LoRARequest("a", 1, str(tmp_path / "adapter")))
+    base = llm.generate(["def add(a, b):\n"], params)
+    assert adapter[0].outputs[0].text != base[0].outputs[0].text
+    assert text.endswith("def add(a, b):\n" + adapter[0].outputs[0].text + "\n")  # print's newline
+    with pytest.raises(SystemExit) as exit_info:
+        generate.main(args + ["--lora-path", str(tmp_path / "adapter"), "--max-lora-rank", "4"])
+    assert exit_info.value.code == 2
+    assert "has rank 8, more than max_lora_rank=4" in capsys.readouterr().err
