@@ -155,6 +155,8 @@ def load_peft(path, config, max_rank: int) -> tuple[dict, dict]:
             # PEFT's A is [rank, in features], its B [out features, rank] (torch's Linear layout).
             expected = (rank, math.prod(inputs)) if which == "A" else (math.prod(outputs), rank)
             x = np.asarray(f.get_tensor(key), np.float32)
+            if which == "B" and name in ("wk", "wv"):
+                x = _repeat_kv_heads(x, expected, config.head_dim)
             if layer >= n or x.shape != expected:
                 raise LoRAError(f"LoRA adapter {str(path)!r}: tensor {key!r} has shape {x.shape}, expected "
                                 f"{expected} for layer {layer} of this model's {n}")
@@ -163,3 +165,13 @@ def load_peft(path, config, max_rank: int) -> tuple[dict, dict]:
             else:
                 b[name][layer, :rank] = (x.T * scaling).reshape(rank, *outputs)
     return ({k: v.astype(dtype) for k, v in a.items()}, {k: v.astype(dtype) for k, v in b.items()})
+
+
+def _repeat_kv_heads(b, expected, head_dim: int):
+    """A k/v projection's B [kv_heads * head_dim, rank] for a model whose KV heads were replicated
+    for tensor parallelism (paged_jax.worker.sharding.replicate_kv_heads: each head repeated in
+    place) -> its rows repeated alike; anything else as it is."""
+    rows, wanted = b.shape[0], expected[0]
+    if b.ndim != 2 or rows >= wanted or wanted % rows or rows % head_dim:
+        return b
+    return np.repeat(b.reshape(rows // head_dim, head_dim, -1), wanted // rows, axis=0).reshape(wanted, -1)

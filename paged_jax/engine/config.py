@@ -121,8 +121,6 @@ def resolve(model_config, *, block_size, num_blocks, gpu_memory_utilization=None
         raise ValueError(f"preemption_mode='swap' with tensor parallelism ({kv_shards} shards) is not built")
     if enable_host_prefix_cache and kv_shards > 1:
         raise ValueError(f"enable_host_prefix_cache with tensor parallelism ({kv_shards} shards) is not built")
-    if lora is not None and kv_shards > 1:
-        raise ValueError(f"enable_lora with tensor parallelism ({kv_shards} shards) is not built")
     on_cpu = jax.default_backend() == "cpu"
     max_num_seqs = max_num_seqs or (16 if on_cpu else 256)
     max_num_batched_tokens = max_num_batched_tokens or (512 if on_cpu else 8192)

@@ -105,6 +105,27 @@ def test_int8_weights_shard_their_scales_with_their_channels_and_give_one_device
     assert split == single
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_lora_adapters_on_shards_give_one_devices_tokens(tmp_path, tp):
+    """Requests with two adapters and none in the same calls: the single-device engine's greedy
+    tokens (tp=4 replicates each KV head, and the adapters' k/v rows with them)."""
+    from paged_jax import LoRARequest
+    from tests.models.model_testing import save_peft_adapter
+
+    config = tiny_config()
+    save_peft_adapter(tmp_path / "one", config, rank=4, alpha=8, seed=1)
+    save_peft_adapter(tmp_path / "two", config, rank=8, alpha=8, seed=2, targets=("k_proj", "v_proj", "o_proj"))
+    loras = [LoRARequest("one", 1, str(tmp_path / "one")), None, LoRARequest("two", 2, str(tmp_path / "two"))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    single, split = ([o.outputs[0].token_ids for o in LLM(
+        random_model(config), block_size=8, num_blocks=32, max_num_seqs=4, log_stats=False, enable_lora=True,
+        max_loras=2, max_lora_rank=8, tensor_parallel_size=n).generate(PROMPTS, greedy, lora_request=loras)]
+        for n in (1, tp))
+    plain = [o.outputs[0].token_ids for o in LLM(random_model(config), block_size=8, num_blocks=32, max_num_seqs=4,
+                                                 log_stats=False).generate(PROMPTS, greedy)]
+    assert split == single and single[1] == plain[1] and single[0] != plain[0] and single[2] != plain[2]
+
+
 def test_speculative_decoding_on_two_shards_gives_one_devices_tokens(untimed_speculation):
     """n-gram proposals verified on a tp=2 engine: the plain single-device engine's greedy tokens."""
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from paged_jax import LLM, LoRARequest, SamplingParams
-from paged_jax.engine import config as config_lib
 from paged_jax.worker import lora_manager
 from tests.models.model_testing import dense_logits, merged_model, random_model, save_peft_adapter, tiny_config
 from tests.paged_jax.engine_testing import assert_pool_drained
@@ -145,8 +144,3 @@ def test_bad_input(setup, tmp_path):
         make_llm(model, max_loras=2, max_cpu_loras=1)
     with pytest.raises(ValueError, match="max_lora_rank must be a positive integer, got 0"):
         make_llm(model, max_lora_rank=0)
-    with pytest.raises(ValueError, match=r"enable_lora with tensor parallelism \(2 shards\) is not built"):
-        config_lib.resolve(CONFIG, block_size=4, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64,
-                           max_model_len=None, num_decode_steps=8, long_prefill_token_threshold=0,
-                           enable_prefix_caching=True, attention_backend="reference", kv_dtype=jnp.float32,
-                           kv_shards=2, lora=config_lib.LoRAConfig(1, 8, 1, 0))
