@@ -8,8 +8,8 @@ extra pair of matmuls per projection: x @ A_all gives every slot's rank-r activa
 the token's own slot's columns (zero for a token without an adapter), and @ B_all adds its delta.
 That is max_loras x max_rank more columns per projection (64 for 4 slots of rank 16) beside the
 base weight's thousands (Llama-3.1-8B: 2.4% more multiply-adds, 2.1% more bytes a forward), and the batch
-needs no grouping by adapter; a per-token gather (vLLM's punica kernels) would do 1 / max_loras
-of that work, at the price of a kernel of its own.
+needs no grouping by adapter; kernels that read only the adapters a batch uses (vLLM's punica
+kernels) would do max_loras / (adapters in use) times less, at the price of kernels of their own.
 
 Adapters for the projections of `TARGETS` load; an adapter that trains anything else (embeddings,
 the LM head, biases, DoRA magnitudes, `modules_to_save`) is refused by name, as is a rank above the
