@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 
 import pytest
@@ -33,8 +34,8 @@ def adapters(tmp_path_factory):
 def server(adapters):
     tmp, _ = adapters
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
-    s = Server(tmp, "--enable-lora", *flags, "--lora-modules", f"one={tmp / 'one'}",
-               json.dumps({"name": "two", "path": str(tmp / "two")}))
+    s = Server(tmp, "--enable-lora", "--allow-runtime-lora-updating", *flags, "--lora-modules",
+               f"one={tmp / 'one'}", json.dumps({"name": "two", "path": str(tmp / "two")}))
     try:
         yield s.wait()
     finally:
@@ -59,8 +60,46 @@ def test_a_request_names_its_adapter_as_its_model(server, adapters):
     assert cards[2]["root"] == loras[1].lora_path
 
 
+def post(server, path, body):
+    """-> (status, body text) of a POST whose answer may be plain text."""
+    request = urllib.request.Request(server.url + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_adapters_are_added_and_removed_while_serving(server, adapters, tmp_path):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: an added name serves its adapter
+    (here adapter one's directory under a new name: the same completion), a removed one is gone."""
+    tmp, _ = adapters
+    body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0}
+    _, one = server.post("/v1/completions", json.dumps({**body, "model": "one"}).encode())
+    assert post(server, "/v1/load_lora_adapter", {"lora_name": "three", "lora_path": str(tmp / "one")}) == (
+        200, "Success: LoRA adapter 'three' added successfully.")
+    status, three = server.post("/v1/completions", json.dumps({**body, "model": "three"}).encode())
+    assert status == 200 and three["choices"][0]["text"] == one["choices"][0]["text"]
+    with urllib.request.urlopen(server.url + "/v1/models", timeout=10) as r:
+        assert [c["id"] for c in json.loads(r.read())["data"]] == ["embedded", "one", "two", "three"]
+    status, text = post(server, "/v1/load_lora_adapter", {"lora_name": "three", "lora_path": str(tmp / "two")})
+    assert status == 400 and "The lora adapter 'three' has already been loaded." in text
+    status, text = post(server, "/v1/load_lora_adapter", {"lora_name": "four", "lora_path": str(tmp_path)})
+    assert status == 400 and f"LoRA adapter '{tmp_path}': no adapter_config.json" in text
+    status, text = post(server, "/v1/load_lora_adapter", {"lora_name": "four"})
+    assert status == 400 and "Both 'lora_name' and 'lora_path' must be provided." in text
+    assert post(server, "/v1/unload_lora_adapter", {"lora_name": "three"}) == (
+        200, "Success: LoRA adapter 'three' removed successfully.")
+    status, body = server.post("/v1/completions", json.dumps({**body, "model": "three"}).encode())
+    assert status == 404 and body["error"]["message"] == "The model `three` does not exist."
+    status, text = post(server, "/v1/unload_lora_adapter", {"lora_name": "three"})
+    assert status == 404 and "The lora adapter 'three' cannot be found." in text
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--lora-modules", "one=/nowhere"], "--lora-modules needs --enable-lora"),
+    (["--allow-runtime-lora-updating"], "--allow-runtime-lora-updating needs --enable-lora"),
     (["--enable-lora", "--lora-modules", "one"], "--lora-modules: 'one' is not NAME=PATH"),
     (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "--lora-modules: the name 'a' is given twice"),
     (["--enable-lora", "--lora-modules", "gone=/nowhere/gone"], "LoRA adapter '/nowhere/gone': no adapter_config.json"),

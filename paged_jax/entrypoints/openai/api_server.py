@@ -10,13 +10,14 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
 import paged_jax
 from paged_jax.entrypoints.async_llm import AsyncLLM, EngineDeadError
 from paged_jax.entrypoints.openai import protocol
+from paged_jax.entrypoints.openai.lora_adapters import LoRAAdapters
 from paged_jax.entrypoints.openai.metrics import Metrics
 from paged_jax.entrypoints.openai.protocol import APIError, DetokenizeRequest, TokenizeRequest, engine_dead
 from paged_jax.entrypoints.openai.serving import Serving
@@ -124,14 +125,17 @@ async def _read_json(request: Request, limit: int, serving: Serving) -> dict:
 
 def build_app(llm: AsyncLLM, *, model_name: str, metrics: Metrics, api_key: str | None = None,
               max_request_bytes: int = MAX_REQUEST_BYTES, model_root: str | None = None,
-              tool_parser=None, enable_auto_tool_choice: bool = False, warm_up=None, lora_modules=()) -> FastAPI:
+              tool_parser=None, enable_auto_tool_choice: bool = False, warm_up=None, lora_modules=(),
+              allow_runtime_lora_updating: bool = False) -> FastAPI:
     """`warm_up`: an engine.warm_up.WarmUp running in the background: /health is 503 (with its
     progress) until it ends, while requests are served (compiling what they need if it is not
-    ready yet). `lora_modules`: LoRARequests that clients name as their model."""
+    ready yet). `lora_modules`: LoRARequests that clients name as their model;
+    `allow_runtime_lora_updating`: /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove them."""
     app = FastAPI(title="paged-jax", version=paged_jax.__version__)
-    serving = Serving(llm, model_name, tool_parser=tool_parser, enable_auto_tool_choice=enable_auto_tool_choice,
-                      lora_modules=lora_modules)
     engine = llm.engine
+    adapters = LoRAAdapters(lora_modules, engine)
+    serving = Serving(llm, model_name, tool_parser=tool_parser, enable_auto_tool_choice=enable_auto_tool_choice,
+                      adapters=adapters)
 
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
@@ -176,7 +180,18 @@ def build_app(llm: AsyncLLM, *, model_name: str, metrics: Metrics, api_key: str 
         card = dict(object="model", created=int(time.time()), owned_by="paged-jax",
                     max_model_len=engine.config.max_model_len)
         return {"object": "list", "data": [{"id": model_name, **card, "root": model_root or model_name, "parent": None}]
-                + [{"id": r.lora_name, **card, "root": r.lora_path, "parent": model_name} for r in lora_modules]}
+                + [{"id": r.lora_name, **card, "root": r.lora_path, "parent": model_name}
+                   for r in list(adapters.by_name.values())]}
+
+    if allow_runtime_lora_updating:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request):
+            body = await _read_json(request, max_request_bytes, serving)
+            return PlainTextResponse(await serving.off_loop(adapters.add, body, model_name))
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request):
+            return PlainTextResponse(adapters.remove(await _read_json(request, max_request_bytes, serving)))
 
     @app.get("/health")
     async def health():

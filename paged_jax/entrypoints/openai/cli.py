@@ -58,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                     help='LoRA adapters clients ask for by name as their model (PEFT directories; NAME=PATH or '
                          '{"name": NAME, "path": PATH}; needs --enable-lora)')
+    ap.add_argument("--allow-runtime-lora-updating", action="store_true",
+                    help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove adapters")
     EngineArgs.add_cli_args(ap)
     cli_args.add_distributed_args(ap)
     return ap.parse_args(argv)
@@ -103,8 +105,9 @@ def main(argv=None) -> None:
         args.lora_modules = parse_lora_modules(args.lora_modules)
     except ValueError as e:
         fail(f"--lora-modules: {e}")
-    if args.lora_modules and not args.enable_lora:
-        fail("--lora-modules needs --enable-lora")
+    for flag in ("lora_modules", "allow_runtime_lora_updating"):
+        if getattr(args, flag) and not args.enable_lora:
+            fail(f"--{flag.replace('_', '-')} needs --enable-lora")
     if args.process_id == 0:
         _check_port_free(args.host, args.port)
     model = args.model or str(embedded_model())
@@ -192,7 +195,7 @@ def _serve(args, llm, model: str) -> None:
     app = build_app(async_llm, model_name=name, metrics=metrics, api_key=args.api_key,
                     max_request_bytes=args.max_request_bytes, model_root=model, tool_parser=args.tool_call_parser,
                     enable_auto_tool_choice=args.enable_auto_tool_choice, warm_up=warming,
-                    lora_modules=args.lora_modules)
+                    lora_modules=args.lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating)
     print(f"paged-jax-serve: serving {name!r} on http://{args.host}:{args.port}", flush=True)
     # uvicorn stops gracefully on SIGINT or SIGTERM and then raises the signal again, under the
     # handlers it found: ignored, so that the shutdown below runs (a job's followers need its stop

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 from paged_jax.entrypoints.async_llm import AsyncLLM, EngineBusyError, EngineDeadError
 from paged_jax.entrypoints.openai import protocol
+from paged_jax.entrypoints.openai.lora_adapters import LoRAAdapters
 from paged_jax.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, busy, engine_dead
 from paged_jax.entrypoints.openai.response import ChoicesResponse
 from paged_jax.entrypoints.openai.tool_calling import ToolCalling, template_messages
@@ -20,9 +21,9 @@ from paged_jax.entrypoints.openai.tool_calling import ToolCalling, template_mess
 
 class Serving:
     def __init__(self, llm: AsyncLLM, model_name: str, *, workers: int = 4, tool_parser=None,
-                 enable_auto_tool_choice: bool = False, lora_modules=()):
+                 enable_auto_tool_choice: bool = False, adapters: LoRAAdapters | None = None):
         self.llm, self.model_name = llm, model_name
-        self.loras = {r.lora_name: r for r in lora_modules}  # asked for by name, as a model
+        self.adapters = adapters or LoRAAdapters(())  # LoRA adapters, asked for as models
         self.tool_parser, self.enable_auto_tool_choice = tool_parser, enable_auto_tool_choice
         self.engine = llm.engine  # only its tokenizer and configuration are read here (thread-safe)
         self.tokenizer = self.engine.tokenizer
@@ -41,9 +42,10 @@ class Serving:
         """-> the LoRARequest a request's model names, None for the base model (404 for another)."""
         if name is None or name == self.model_name:
             return None
-        if name not in self.loras:
+        adapter = self.adapters.get(name)
+        if adapter is None:
             raise protocol.not_found(f"The model `{name}` does not exist.")
-        return self.loras[name]
+        return adapter
 
     def encode(self, prompt) -> list[int]:
         try:
