@@ -156,7 +156,7 @@ def main(argv=None):
         inputs = chat_inputs(tokenizer, prompts) if args.chat else prompts
         llm = LLM(model, tokenizer=tokenizer, **engine_args.kwargs())
         if lora:  # read now: a bad adapter is one line, before anything runs
-            llm.engine.model_runner.load_lora(lora)
+            llm.engine.add_lora(lora)
     except (OSError, ValueError, ImportError) as e:  # ImportError: --chat without jinja2
         fail(str(e))
     # Every process runs the same generation (each step is one program across all of them); one prints.

@@ -4,8 +4,7 @@ One `step()` reads like vLLM's: the scheduler plans (host), the model runner mak
 (a ragged `prefill_step`, or `decode_steps` when every scheduled sequence is decoding), the
 scheduler takes its output (`update_from_output`), and the output processor turns the new tokens
 into text and `RequestOutput`s. With async scheduling the next call is dispatched before the
-output processor runs: planned while the call runs where the plan needs nothing of its output,
-else right after the scheduler took it.
+output processor runs (engine.step: how).
 """
 from __future__ import annotations
 
@@ -106,7 +105,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
                     cache_salt: str | None = None, lora_request=None) -> None:
         """Queue a request: `prompt` is a string (needs a tokenizer) or a list of token ids;
-        `lora_request`: a paged_jax.LoRARequest, the adapter it runs with (read here if new)."""
+        `lora_request`: a paged_jax.LoRARequest, its adapter."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -114,7 +113,7 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {params.stop!r} need a tokenizer to detokenize the output")
         if lora_request is not None:  # a bad adapter raises here, before anything is queued
-            self.model_runner.load_lora(lora_request)
+            self.add_lora(lora_request)
         request = Request(request_id, text, ids, params, time.monotonic(), cache_salt=cache_salt,
                           lora_request=lora_request)
         index = next(self._request_counter)
@@ -148,6 +147,11 @@ class LLMEngine:
             seq.status = Status.FINISHED_ERROR
         request.finish_time = time.monotonic()
 
+    def add_lora(self, lora_request) -> bool:
+        """Read a LoRA adapter into host memory now (vLLM's name; ValueError naming what is wrong)."""
+        self.model_runner.load_lora(lora_request)
+        return True
+
     def tokenize_prompt(self, prompt):
         """(text or None, token ids) of a prompt; ValueError naming what is wrong with it."""
         return self.processor.tokenize_prompt(prompt)
@@ -177,9 +181,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one device call; return the outputs of requests that progressed or finished. With
         async scheduling the next call is dispatched before this one's output is processed: while
-        this one runs when its plan needs nothing of that output (AsyncScheduler.schedule_next),
-        else as soon as the scheduler has taken it; either way the output side (logprobs, text,
-        stop strings, RequestOutputs) runs beside the next call."""
+        it runs if its plan needs nothing of that output (AsyncScheduler.schedule_next), else once
+        the scheduler took it; the output side (text, stop strings, RequestOutputs) runs beside it."""
         touched, self._finished_outside_step = self._finished_outside_step, set()
         start = time.perf_counter()
         call, self._in_flight = self._in_flight, None
@@ -239,9 +242,8 @@ class LLMEngine:
         return call
 
     def _apply(self, call: model_runner.Call):
-        """Fetch a call's output and apply what the next plan depends on: the scheduler's
-        transitions, the speculator's acceptance and costs, the grammars' advance -> (output,
-        progressed) for `_report`."""
+        """Fetch a call's output and apply what the next plan depends on (the scheduler's transitions,
+        the speculator's acceptance and costs, the grammars' advance) -> (output, progressed)."""
         plan, output = call.plan, self.model_runner.fetch(call)
         if self.speculator and call.compiles is not None:  # dispatched onto an idle device
             self.speculator.observe_call(plan, int(output.steps), time.perf_counter() - call.start, call.compiles)
@@ -265,9 +267,8 @@ class LLMEngine:
         return {seq.request.request_id for seq, _, _ in progressed}
 
     def warm_up(self, prompt_len: int = 32, *, workers: int | None = None) -> dict:
-        """Compile what short requests run, on `workers` threads, without running anything
-        (engine/warm_up.py; `warm_up.WarmUp` does it in the background) -> {"programs": compiled
-        or loaded, "cached": of those, loaded, "seconds": wall clock}."""
+        """Compile what short requests run on `workers` threads, running nothing (engine/warm_up.py)
+        -> {"programs": compiled or loaded, "cached": of those, loaded, "seconds": wall clock}."""
         return warm_up.WarmUp(self, prompt_len, workers).start().wait()
 
     def reset_counters(self) -> None:

@@ -93,7 +93,7 @@ class LLM:
             prompt, salt = _unpack(prompt)
             self.engine.tokenize_prompt(prompt)
             if lora is not None:
-                self.engine.model_runner.load_lora(lora)
+                self.engine.add_lora(lora)
             # Only finished outputs are read here: no per-step copies of every request (vLLM's choice too).
             params = dataclasses.replace(params or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
             requests.append((f"gen-{next(self._ids)}", prompt, params, salt, lora))

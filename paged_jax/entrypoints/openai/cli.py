@@ -132,7 +132,7 @@ def _build(args, model: str):
     try:
         llm = LLM(model, **engine_args.kwargs())
         for lora in args.lora_modules:  # read at start: a bad adapter stops the server now
-            llm.engine.model_runner.load_lora(lora)
+            llm.engine.add_lora(lora)
         tokenizer = llm.get_tokenizer()
         if args.chat_template:
             if tokenizer is None:
