@@ -91,9 +91,9 @@ def test_latency_reports_percentiles_and_compiles_only_in_the_first_run(tmp_path
     overlapped = result["overlapped"]
     assert result["serial"]["overlapped_calls"] == 0 and overlapped["overlapped_calls"] == overlapped["calls"] - 3
     assert result["tok_s"]["end_to_end"] == pytest.approx(4 * 20 / result["rows"][0]["p50"])
-    for engine in ("serial", "overlapped"):  # the device's busy time is timed within the runs' wall time
-        host = result[engine]
-        assert 0 < host["device_busy_seconds"] <= host["wall_seconds"]
+    for engine in ("serial", "overlapped"):  # the device's busy time is timed within the runs' wall time,
+        host = result[engine]  # its last end seen by a thread that may wake a little late (0.3 ms seen)
+        assert 0 < host["device_busy_seconds"] <= host["wall_seconds"] + 5e-3
         assert host["exposed_ms_per_call"] == pytest.approx(
             1e3 * (host["wall_seconds"] - host["device_busy_seconds"]) / host["calls"])
     assert result["serial"]["wall_seconds"] == pytest.approx(sum(result["raw"]["end-to-end latency (s)"]))
