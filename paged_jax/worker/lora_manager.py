@@ -20,7 +20,7 @@ from paged_jax.lora.request import LoRARequest
 class LoRAManager:
     def __init__(self, model_config, config, place):
         """`config`: the engine's LoRAConfig; `place`: puts arrays where the model's weights are."""
-        self.model_config, self.config, self.place = model_config, config, place
+        self.model_config, self.config = model_config, config
         self.weights = place(lora.LoRAWeights.zeros(model_config, config.max_loras, config.max_lora_rank))
         self.slot_ids = [0] * config.max_loras  # the lora_int_id each slot holds (0: none)
         self.slot_used = [0] * config.max_loras  # the call count at each slot's last use
