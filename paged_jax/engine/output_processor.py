@@ -9,7 +9,7 @@ import weakref
 import numpy as np
 
 from paged_jax.core.sequence import Request, Sequence, Status
-from paged_jax.engine.detokenizer import decode_next, find_stop
+from paged_jax.engine.detokenizer import decode_next, find_stop, prompt_context
 from paged_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from paged_jax.sampling_params import RequestOutputKind
 
@@ -17,7 +17,8 @@ from paged_jax.sampling_params import RequestOutputKind
 @dataclasses.dataclass
 class OutputState:
     """What the output side keeps of one sequence (vLLM's RequestState and IncrementalDetokenizer;
-    the scheduler's `Sequence` holds none of it). Offsets count output tokens."""
+    the scheduler's `Sequence` holds none of it). Offsets count output tokens (a negative
+    prefix_offset reaches into the prompt)."""
 
     output_text: str = ""  # the text of output tokens [0, read_offset), cut at a stop string
     prefix_offset: int = 0  # [prefix_offset, read_offset): the context the next token is decoded in
@@ -39,7 +40,10 @@ class OutputProcessor:
     def _state(self, seq: Sequence) -> OutputState:
         state = self._states.get(seq)
         if state is None:
-            state = self._states[seq] = OutputState()
+            context = 0 if self.tokenizer is None else prompt_context(
+                self.tokenizer, seq.token_ids, seq.num_prompt_tokens,
+                skip_special_tokens=seq.request.params.skip_special_tokens)
+            state = self._states[seq] = OutputState(prefix_offset=-context)
         return state
 
     def process_outputs(self, plan, output, progressed) -> tuple[list[Sequence], int]:

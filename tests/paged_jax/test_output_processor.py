@@ -37,9 +37,9 @@ def random_output(rng, num_pieces, noise=0.0):
     return ids
 
 
-def make_seq(params):
-    request = Request("r", None, list(PROMPT), params, 0.0)
-    seq = Sequence(request, 0, list(PROMPT), np.zeros(2, np.uint32), status=Status.RUNNING, slot=0)
+def make_seq(params, prompt=PROMPT):
+    request = Request("r", None, list(prompt), params, 0.0)
+    seq = Sequence(request, 0, list(prompt), np.zeros(2, np.uint32), status=Status.RUNNING, slot=0)
     request.seqs.append(seq)
     return request, seq
 
@@ -53,11 +53,11 @@ def device_out(tokens):
                        finish=np.zeros(1, np.int32), steps=np.int32(k))
 
 
-def run(proc, output, params, chunks):
+def run(proc, output, params, chunks, prompt=PROMPT):
     """Feed `output` in calls of the given sizes as the engine does (the scheduler appends the
     tokens, then the output processor sees them); the sequence ends on length after the last call
     -> (request, seq, [(tokens so far, text) after each call])."""
-    request, seq = make_seq(params)
+    request, seq = make_seq(params, prompt)
     texts, done = [], 0
     for size in chunks:
         step = output[done: done + size]
@@ -117,6 +117,25 @@ def test_decoders_that_join_tokens_decode_in_context(decoder, words):
     _, _, texts = run(OutputProcessor(tok), output, SamplingParams(max_tokens=200), random_chunks(rng, 200))
     assert [text for _, text in texts] == [tok.decode(output[:n]) for n, _ in texts]
     assert " world" in texts[-1][1]
+
+
+def test_the_first_token_is_decoded_after_the_prompt():
+    """A sentencepiece decode drops the space of its first token: decoded after the prompt's last
+    tokens, the first output token keeps it (vLLM's offsets start in the prompt). A prompt that ends
+    inside a character gives no context: its broken text would not be a prefix of the window's."""
+    words = ["\u2581hello", "s", "\u2581world", "x"]
+    inner = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="x"))
+    inner.decoder = tokenizers.decoders.Metaspace()
+    tok = Tokenizer(inner, eos_token_ids=())
+    prompt = [0, 1, 3, 3, 1, 1]  # more than the 5 tokens of context
+    _, _, texts = run(OutputProcessor(tok), [2, 3, 0], SamplingParams(max_tokens=3), [1, 2], prompt)
+    assert [text for _, text in texts] == [" world", " worldx hello"]
+    assert tok.decode(prompt + [2, 3, 0]) == "hellosxxss worldx hello"
+    nihon = TOKENIZER.encode("日本", add_special_tokens=False)  # 6 byte tokens
+    output = nihon[1:] + TOKENIZER.encode(" plain words", add_special_tokens=False)
+    _, _, texts = run(OutputProcessor(TOKENIZER), output, SamplingParams(max_tokens=len(output)),
+                      [1] * len(output), PROMPT + nihon[:1])
+    assert texts[-1][1] == decode(output) == FFFD * 2 + "本 plain words"
 
 
 class CountingTokenizer:
