@@ -28,10 +28,12 @@ from models.llama_config import LlamaConfig, rope_inv_freq
 from models.loading import MODEL_REGISTRY, HFTensor, abstract_model, put_tensor, to_device
 
 Q = gguf.GGMLQuantizationType
-# What the common files hold: full precision, Q8_0, the legacy 4- and 5-bit types, and the K-quants of
-# Q4_K_M / Q5_K_M (Q4_K, Q5_K, Q6_K; llama.cpp writes rows whose length is not a multiple of 256 as
-# Q5_0, Q5_1 or Q8_0 instead, e.g. SmolLM2's 576).
-SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+# What the common files hold: full precision, Q8_0, the legacy 4- and 5-bit types, the K-quants of
+# Q2_K to Q6_K files (llama.cpp writes rows whose length is not a multiple of 256 as Q5_0, Q5_1 or
+# Q8_0 instead, e.g. SmolLM2's 576), and the non-linear 4-bit types of IQ4_NL / IQ4_XS files. Not the
+# 1- to 3-bit I-quants (lattice codebooks) nor the ternary TQ types.
+SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
+                   Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
 # general.architecture -> models.llama's model_type (llama.cpp writes Mistral as "llama" too, but with a
 # SentencePiece vocabulary, which models.gguf_tokenizer refuses).
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}

@@ -14,7 +14,8 @@ from models import gguf as G
 from models.checkpoint import CheckpointError, load_model
 from paged_jax import LLM, SamplingParams
 
-KINDS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+KINDS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+         "IQ4_NL", "IQ4_XS")
 FAMILIES = {"llama": dict(), "llama_tied": dict(tie_word_embeddings=True),
             # Qwen2: q/k/v biases, tied; Qwen3: q/k norms over a head_dim (32) that is not hidden / heads.
             "qwen2": dict(model_type="qwen2", tie_word_embeddings=True, rope_theta=1e6),
@@ -83,12 +84,12 @@ def test_every_supported_type_dequantizes_as_ggml_reference(tmp_path):
         assert np.isfinite(values).all() and np.abs(values).max() > 0, kind
 
 
-@pytest.mark.parametrize("kind", ["Q2_K", "IQ2_XXS"])
+@pytest.mark.parametrize("kind", ["IQ2_XXS", "IQ3_XXS"])
 def test_an_unsupported_type_names_the_tensor_and_the_type(tmp_path, kind):
     reader, _ = blocks_file(tmp_path, [kind], blocks_per_row=1)
     with pytest.raises(ValueError, match=rf"tensor 't\.{kind}' has type {kind}, which is not supported; "
-                                         r"supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, "
-                                         r"Q5_K, Q6_K"):
+                                         r"supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, "
+                                         r"Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS"):
         G.dequantize(reader.tensors[0])
 
 
@@ -140,15 +141,18 @@ def test_quantized_llama_through_llm_matches_its_dequantized_safetensors_copy(tm
     config = tiny_config(vocab_size=256, hidden_size=256, intermediate_size=256)
     model = random_model(config)
     rng = np.random.default_rng(2)
-    types = {"token_embd.weight": Q.Q8_0, "output_norm.weight": Q.BF16}  # ffn_norm stays F32
-    raw = {"output.weight": (random_blocks("Q6_K", rng, 256, 1, (1e-4, 1e-3)), Q.Q6_K)}
-    for i, (five, k_quant) in enumerate([(Q.Q5_0, "Q4_K"), (Q.Q5_1, "Q5_K")]):
-        types.update({f"blk.{i}.attn_v.weight": Q.Q8_0, f"blk.{i}.attn_output.weight": Q.Q4_0,
-                      f"blk.{i}.ffn_gate.weight": Q.Q4_1, f"blk.{i}.ffn_up.weight": five,
-                      f"blk.{i}.attn_norm.weight": Q.F16})
-        raw.update({f"blk.{i}.attn_q.weight": (random_blocks(k_quant, rng, 64, 1, (1e-4, 1e-3)), Q[k_quant]),
-                    f"blk.{i}.attn_k.weight": (random_blocks("Q6_K", rng, 32, 1, (1e-4, 1e-3)), Q.Q6_K),
-                    f"blk.{i}.ffn_down.weight": (random_blocks(k_quant, rng, 256, 1, (1e-4, 1e-3)), Q[k_quant])})
+    types = {"token_embd.weight": Q.Q5_1, "output_norm.weight": Q.BF16,  # ffn_norm stays F32
+             "blk.0.attn_v.weight": Q.Q8_0, "blk.0.attn_output.weight": Q.Q4_0, "blk.0.ffn_gate.weight": Q.Q4_1,
+             "blk.0.ffn_up.weight": Q.Q5_0, "blk.0.attn_norm.weight": Q.F16, "blk.1.attn_norm.weight": Q.F16}
+    small = (1e-4, 1e-3)
+    raw = {"output.weight": (random_blocks("Q6_K", rng, 256, 1, small), Q.Q6_K),
+           "blk.1.attn_v.weight": (random_blocks("Q2_K", rng, 32, 1, small), Q.Q2_K),
+           "blk.1.ffn_gate.weight": (random_blocks("IQ4_XS", rng, 256, 1, (1e-5, 1e-4)), Q.IQ4_XS),
+           "blk.1.ffn_up.weight": (random_blocks("IQ4_NL", rng, 256, 8, small), Q.IQ4_NL)}
+    for i, (q, down) in enumerate([("Q4_K", "Q4_K"), ("Q3_K", "Q5_K")]):
+        raw.update({f"blk.{i}.attn_q.weight": (random_blocks(q, rng, 64, 1, small), Q[q]),
+                    f"blk.{i}.attn_k.weight": (random_blocks("Q6_K", rng, 32, 1, small), Q.Q6_K),
+                    f"blk.{i}.ffn_down.weight": (random_blocks(down, rng, 256, 1, small), Q[down])})
     meant = write_gguf(tmp_path / "m.gguf", model, types=types, raw=raw)
     assert {t.tensor_type.name for t in G.open_gguf(tmp_path / "m.gguf").tensors} == set(KINDS)
     reference = save_hf_dir(tmp_path / "ref", config, meant)
@@ -164,11 +168,11 @@ def test_quantized_llama_through_llm_matches_its_dequantized_safetensors_copy(tm
 
 
 def test_an_unsupported_type_in_a_model_file_fails_before_any_weight_is_read(tmp_path):
-    model = random_model(tiny_config(vocab_size=256))
+    model = random_model(tiny_config(vocab_size=256, hidden_size=256, intermediate_size=256))
     rng = np.random.default_rng(1)
-    raw = {"blk.1.ffn_up.weight": (random_blocks("IQ4_NL", rng, 128, 2), Q.IQ4_NL)}
+    raw = {"blk.1.ffn_up.weight": (random_blocks("IQ2_XXS", rng, 256, 1), Q.IQ2_XXS)}
     write_gguf(tmp_path / "m.gguf", model, raw=raw)
-    with pytest.raises(ValueError, match=r"tensor 'blk\.1\.ffn_up\.weight' has type IQ4_NL, which is not supported"):
+    with pytest.raises(ValueError, match=r"tensor 'blk\.1\.ffn_up\.weight' has type IQ2_XXS, which is not supported"):
         LLM(str(tmp_path / "m.gguf"), num_blocks=16, log_stats=False)
 
 
