@@ -34,8 +34,8 @@ Q = gguf.GGMLQuantizationType
 # 1- to 3-bit I-quants (lattice codebooks) nor the ternary TQ types.
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
                    Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
-# general.architecture -> models.llama's model_type (llama.cpp writes Mistral as "llama" too, but with a
-# SentencePiece vocabulary, which models.gguf_tokenizer refuses).
+# general.architecture -> models.llama's model_type (llama.cpp writes Llama 2, Mistral v0.1-0.3 and TinyLlama as
+# "llama" too, with a SentencePiece vocabulary: models.gguf_tokenizer builds either kind).
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _PERMUTED_QK = ("llama",)
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",

@@ -2,15 +2,21 @@
 wrapped in models.tokenizer_base.Tokenizer with the file's chat template, BOS and EOS.
 
 Built the way transformers' GGUF converter builds it (integrations/gguf/gguf_tokenizer_mapping.py),
-so that both encode a text alike: a byte-level BPE over the file's tokens and merges; the split that
-`tokenizer.ggml.pre` names before the byte-level mapping (GPT-2's for a name not in the table, as
-transformers does); the tokens llama.cpp types CONTROL as special added tokens (kept whole, dropped
-by `skip_special_tokens`), USER_DEFINED ones as plain added tokens; BOS/EOS added by the
+so that both encode a text alike, from either kind of vocabulary llama.cpp writes for the
+architectures models.gguf loads:
+- byte-level BPE (`tokenizer.ggml.model` "gpt2": Llama 3, Qwen, SmolLM): the file's tokens and
+  merges, the split that `tokenizer.ggml.pre` names before the byte-level mapping (GPT-2's for a
+  name not in the table, as transformers does);
+- SentencePiece BPE ("llama": Llama 2, Mistral v0.1-0.3, TinyLlama, CodeLlama): the file has tokens
+  and their scores but no merges; a SentencePiece BPE merges the adjacent pair whose joined piece
+  scores highest, so the merges are every split of a token into two tokens, ranked by the joined
+  token's score. Spaces become "▁" with one prepended to the text's start (transformers' Metaspace,
+  "first": not after a special token, where llama.cpp also prepends one), and a character outside
+  the vocabulary is spelled by its UTF-8 bytes' `<0xXX>` tokens; BOS is added unless the file says
+  `add_bos_token` false.
+The tokens llama.cpp types CONTROL are special added tokens (kept whole, dropped by
+`skip_special_tokens`), USER_DEFINED ones plain added tokens; BOS/EOS are added by the
 post-processor only where `tokenizer.ggml.add_bos_token` / `add_eos_token` say so.
-
-Only byte-level vocabularies (`tokenizer.ggml.model` "gpt2": Llama 3, Qwen, SmolLM) are built. A
-SentencePiece one ("llama": Llama 2, Mistral v0.1-0.3, TinyLlama) would need merges recovered from
-its scores plus byte fallback; it is refused by name rather than built approximately.
 """
 from __future__ import annotations
 
@@ -35,7 +41,11 @@ _TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{L
 PRE_TOKENIZER_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
                         "smaug-bpe": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT, "pixtral": _LLAMA3_SPLIT,
                         "tekken": _TEKKEN_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
-SUPPORTED_MODELS = ("gpt2",)
+SUPPORTED_MODELS = ("gpt2", "llama")
+# Architectures whose SentencePiece vocabulary transformers builds otherwise (Gemma's pieces of spaces
+# and merge order, Phi-3's prefix space); models.gguf loads none of them.
+_OTHER_SENTENCEPIECE = ("gemma", "gemma2", "gemma3", "phi3")
+SPACE = "\u2581"  # SentencePiece's visible space
 
 
 def byte_alphabet() -> dict[int, str]:
@@ -58,6 +68,29 @@ def _byte_level_bpe(tokens: list[str], merges: list[str]) -> tokenizers.Tokenize
         raise ValueError(f"tokenizer.ggml.merges entry {bad!r} is not two tokens separated by a space")
     return tokenizers.Tokenizer(tokenizers.models.BPE(vocab, pairs, dropout=None, fuse_unk=False,
                                                       continuing_subword_prefix="", end_of_word_suffix=""))
+
+
+def sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies: each way to cut a token into two tokens,
+    best first by the token's score, then by the longer left piece, then the longer right one, then
+    the token's place in the vocabulary and the pieces' ids (transformers' order, ties included)."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    ranked = []
+    for token, score in dict(zip(tokens, scores)).items():
+        cuts = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in ids and token[k:] in ids]
+        ranked += [(score, left, right) for left, right in sorted(cuts, key=lambda c: (ids[c[0]], ids[c[1]]))]
+    ranked.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)  # stable: ties keep their order
+    return [(left, right) for _, left, right in ranked]
+
+
+def _sentencepiece_bpe(tokens: list[str], scores: list[float]) -> tokenizers.Tokenizer:
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE({t: i for i, t in enumerate(tokens)},
+                                                           sentencepiece_merges(tokens, scores), dropout=None,
+                                                           fuse_unk=True, byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="first", split=False)
+    tokenizer.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    return tokenizer
 
 
 def _pre_tokenizer(pre: str | None):
@@ -83,27 +116,40 @@ def gguf_tokenizer(reader: gguf.GGUFReader) -> Tokenizer | None:
     kind = field(reader, "tokenizer.ggml.model", None)
     if kind is None:
         return None
+    file, arch = reader.data.filename, field(reader, "general.architecture", None)
     if kind not in SUPPORTED_MODELS:
-        raise ValueError(f"{reader.data.filename}: tokenizer.ggml.model {kind!r} is not supported "
-                         f"(supported: {list(SUPPORTED_MODELS)}); 'llama' is a SentencePiece vocabulary")
+        raise ValueError(f"{file}: tokenizer.ggml.model {kind!r} is not supported (supported: {list(SUPPORTED_MODELS)})")
+    if kind == "llama" and arch in _OTHER_SENTENCEPIECE:
+        raise ValueError(f"{file}: the SentencePiece vocabulary of a {arch!r} file is not supported")
     tokens = field(reader, "tokenizer.ggml.tokens")
     types = field(reader, "tokenizer.ggml.token_type", None) or [gguf.TokenType.NORMAL] * len(tokens)
-    tokenizer = _byte_level_bpe(tokens, field(reader, "tokenizer.ggml.merges"))
-    tokenizer.pre_tokenizer = _pre_tokenizer(field(reader, "tokenizer.ggml.pre", None))
-    tokenizer.decoder = decoders.ByteLevel()
+    byte_level = kind == "gpt2"
+    if byte_level:
+        tokenizer = _byte_level_bpe(tokens, field(reader, "tokenizer.ggml.merges"))
+        tokenizer.pre_tokenizer = _pre_tokenizer(field(reader, "tokenizer.ggml.pre", None))
+        tokenizer.decoder = decoders.ByteLevel()
+    else:
+        scores = field(reader, "tokenizer.ggml.scores")
+        if len(scores) != len(tokens):
+            raise ValueError(f"{file}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
+        tokenizer = _sentencepiece_bpe(tokens, scores)
     ids = {key: field(reader, f"tokenizer.ggml.{key}_token_id", None)
            for key in ("bos", "eos", "eot", "eom", "unknown", "padding")}
-    alphabet = set(byte_alphabet().values())
-    # transformers adds CONTROL tokens, and the bos/eos/unk/pad it names, as special; one spelled
-    # outside the byte alphabet is a mislabelled raw-text token and stays an ordinary one.
+    # transformers adds CONTROL tokens, and the bos/eos/unk/pad it names, as special; in a byte-level
+    # vocabulary one spelled outside the byte alphabet is a mislabelled raw-text token and stays an
+    # ordinary one.
+    alphabet = set(byte_alphabet().values()) if byte_level else None
+    spelled = (lambda i: set(tokens[i]) <= alphabet) if byte_level else (lambda i: True)
     special = {i for i, t in enumerate(types) if t == gguf.TokenType.CONTROL}
     special |= {i for key, i in ids.items() if i is not None and key in ("bos", "eos", "unknown", "padding")}
     tokenizer.add_special_tokens([tokenizers.AddedToken(tokens[i], normalized=False, special=True)
-                                  for i in sorted(special) if set(tokens[i]) <= alphabet])
+                                  for i in sorted(special) if spelled(i)])
     # llama.cpp matches USER_DEFINED tokens (e.g. `<think>`) whole in text; they are not special.
-    user = [i for i, t in enumerate(types) if t == gguf.TokenType.USER_DEFINED and set(tokens[i]) <= alphabet]
+    user = [i for i, t in enumerate(types) if t == gguf.TokenType.USER_DEFINED and spelled(i)]
     tokenizer.add_tokens([tokenizers.AddedToken(tokens[i], normalized=False, special=False) for i in user])
-    post = _post_processor(tokens, ids["bos"], ids["eos"], bool(field(reader, "tokenizer.ggml.add_bos_token", False)),
+    # A SentencePiece file that does not say gets BOS, as llama.cpp and transformers give it.
+    add_bos = field(reader, "tokenizer.ggml.add_bos_token", not byte_level)
+    post = _post_processor(tokens, ids["bos"], ids["eos"], bool(add_bos),
                            bool(field(reader, "tokenizer.ggml.add_eos_token", False)))
     if post is not None:
         tokenizer.post_processor = post

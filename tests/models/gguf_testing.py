@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import struct
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -50,7 +53,7 @@ def write_gguf(path, model, *, types=None, raw=None, metadata=None) -> dict[str,
     file's bytes decode to, by gguf-py}. `types`: gguf name -> GGML type (default F32) that gguf-py
     quantizes to; `raw`: gguf name -> (uint8 blocks in the file's row order, type) written instead of
     the model's tensor (gguf-py has no K-quant quantizer); `metadata`: extra keys as
-    {key: (value, GGUFValueType)}."""
+    {key: (value, GGUFValueType[, the element type of an array])}."""
     c = model.config
     arch = c.model_type
     writer = gguf.GGUFWriter(str(path), arch)
@@ -70,8 +73,8 @@ def write_gguf(path, model, *, types=None, raw=None, metadata=None) -> dict[str,
     if c.head_dim != c.hidden_size // c.num_heads:  # as the converter writes an explicit head_dim
         writer.add_key_length(c.head_dim)
         writer.add_value_length(c.head_dim)
-    for key, (value, kind) in (metadata or {}).items():
-        writer.add_key_value(key, value, kind)
+    for key, spec in (metadata or {}).items():
+        writer.add_key_value(key, *spec)
     names = gguf.get_tensor_name_map(_ARCH[arch], c.num_layers)
     meant = {}
     if c.rope_scaling is not None:
@@ -98,6 +101,30 @@ def write_gguf(path, model, *, types=None, raw=None, metadata=None) -> dict[str,
     writer.write_tensors_to_file()
     writer.close()
     return meant
+
+
+def llama2c_vocab(tok_bin) -> dict:
+    """The `tokenizer.ggml.*` metadata convert_hf_to_gguf.py writes for a SentencePiece vocabulary
+    (`_create_vocab_sentencepiece`: each piece, its score and type; BOS, EOS, UNK), from the
+    tokenizer.bin llama2.c's tokenizer.py exported from the same tokenizer.model: an int32 max token
+    length, then per piece an f32 score, an int32 length and the UTF-8 bytes, with "▁" written as a
+    space and BOS/EOS as "\\n<s>\\n" / "\\n</s>\\n"."""
+    data = Path(tok_bin).read_bytes()
+    offset, tokens, scores = 4, [], []
+    while offset < len(data):
+        score, length = struct.unpack_from("<fi", data, offset)
+        tokens.append(data[offset + 8: offset + 8 + length].decode("utf-8").replace(" ", "\u2581"))
+        scores.append(score)
+        offset += 8 + length
+    tokens[1], tokens[2] = "<s>", "</s>"
+    T = gguf.TokenType
+    types = [T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE if re.fullmatch(r"<0x[0-9A-F]{2}>", t) else T.NORMAL
+                                                  for t in tokens[3:]]
+    V = gguf.GGUFValueType
+    return {"tokenizer.ggml.model": ("llama", V.STRING), "tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING),
+            "tokenizer.ggml.scores": (scores, V.ARRAY, V.FLOAT32),
+            "tokenizer.ggml.token_type": ([int(t) for t in types], V.ARRAY, V.INT32),
+            "tokenizer.ggml.unknown_token_id": (0, V.UINT32)}
 
 
 def llama3_rope_factors(config) -> np.ndarray:  # f32[head_dim // 2]

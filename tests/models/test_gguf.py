@@ -193,11 +193,6 @@ def test_unsupported_files_are_refused_by_name(tmp_path):
     with pytest.raises(CheckpointError, match=r"rope_freqs\.weight holds factors that Llama 3's RoPE scaling "):
         load_model(tmp_path / "r.gguf")
     assert G.load_gguf(tmp_path / "m.gguf")[1] is None  # no tokenizer.ggml.*: token-id prompts only
-    spm = {"tokenizer.ggml.model": ("llama", G.gguf.GGUFValueType.STRING)}
-    write_gguf(tmp_path / "t.gguf", model, metadata=spm)
-    with pytest.raises(ValueError, match=r"tokenizer\.ggml\.model 'llama' is not supported "
-                                         r"\(supported: \['gpt2'\]\); 'llama' is a SentencePiece vocabulary"):
-        G.load_gguf(tmp_path / "t.gguf")
     linear = {"llama.rope.scaling.type": ("linear", G.gguf.GGUFValueType.STRING)}
     write_gguf(tmp_path / "s.gguf", model, metadata=linear)
     with pytest.raises(CheckpointError, match=r"scaled RoPE \(llama\.rope\.scaling\.type='linear'\) is not"):

@@ -1,0 +1,106 @@
+"""A GGUF with a SentencePiece vocabulary (`tokenizer.ggml.model` "llama": Llama 2, Mistral,
+TinyLlama): stories260K (tests/data/stories260K) written as llama.cpp's converter writes it, the
+weights with their q/k rows permuted and the pieces, scores and types of llama2.c's tok512.bin (the
+model's own SentencePiece vocabulary, exported by llama2.c). References: transformers reading the
+same file (where it is installed), the checkpoint's tokenizer.json (which encodes as llama2.c's
+run.c does), and the story llama2.c publishes for the model."""
+from pathlib import Path
+
+import gguf
+import pytest
+import tokenizers
+
+from gguf_testing import llama2c_vocab, write_gguf
+from models.checkpoint import CheckpointError, load_model
+from models.gguf_file import open_gguf
+from models.gguf_tokenizer import gguf_tokenizer, sentencepiece_merges
+from paged_jax import LLM, SamplingParams
+
+STORIES = Path(__file__).resolve().parents[1] / "data" / "stories260K"
+V = gguf.GGUFValueType
+TEXTS = ["Once upon a time, there was a little girl named Lily.", "Hello", "  two leading spaces",
+         "tabs\tand\nnewlines\n\n\n", "trailing spaces   ", "émigré naïve, 日本語 😀🎉", "x²³ ½ 3.14159",
+         "Tom said, \"Let's go!\"</s><s> Lily was sad.", "<unk>", "", " ", "\n"]
+STORY = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park."
+
+
+@pytest.fixture(scope="module")
+def stories_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("spm") / "stories260K.gguf"
+    write_gguf(path, load_model(STORIES), metadata=llama2c_vocab(STORIES / "tok512.bin"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def ours(stories_gguf):
+    return gguf_tokenizer(open_gguf(stories_gguf))
+
+
+def test_merges_rank_each_cut_of_a_token_by_its_score():
+    tokens = ["<unk>", "a", "b", "c", "ab", "bc", "abc", "cab"]
+    scores = [0.0, -10.0, -11.0, -12.0, -1.0, -2.0, -3.0, -1.0]
+    # "ab" and "cab" tie on score: "c" + "ab" has the longer right piece, so it ranks first; "abc"'s
+    # two cuts tie on everything but the left piece's length.
+    assert sentencepiece_merges(tokens, scores) == [("c", "ab"), ("a", "b"), ("b", "c"), ("ab", "c"), ("a", "bc")]
+
+
+def test_tokenizer_matches_the_checkpoints_own(ours):
+    """tokenizer.json of the directory the file was written from, on texts that neither start with a
+    space nor hold a special token: there transformers' GGUF build prepends no "▁" (it does not
+    before a text's own space, nor after a special token) where the directory's legacy one does."""
+    own = tokenizers.Tokenizer.from_file(str(STORIES / "tokenizer.json"))
+    for text in [t for t in TEXTS[:7] if not t.startswith(" ")]:
+        assert ours.encode(text) == own.encode(text).ids, text
+        assert ours.decode(ours.encode(text)) == text, text
+    assert ours.encode(TEXTS[0]) == [1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426]
+    # Characters outside the 512 pieces are spelled by their UTF-8 bytes (<0xE6> is id 3 + 0xE6).
+    assert ours.encode("日", add_special_tokens=False) == [410, 3 + 0xE6, 3 + 0x97, 3 + 0xA5]  # "▁", bytes
+    assert (ours.eos_token_ids, ours.bos_token_id, ours.bos_token, ours.eos_token) == ((2,), 1, "<s>", "</s>")
+
+
+def test_tokenizer_matches_transformers_reading_the_same_file(ours, stories_gguf):
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoTokenizer.from_pretrained(str(stories_gguf.parent), gguf_file=stories_gguf.name)
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == theirs(text).input_ids, text
+        assert ours.encode(text, add_special_tokens=False) == theirs(text, add_special_tokens=False).input_ids, text
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip), text
+    # No "▁" after a special token, as in transformers (llama.cpp would write one).
+    assert ours.encode("</s>Lily", add_special_tokens=False) == [2, 438, 310]  # "L", "ily"; "▁Lily" is 386
+    assert ours.encode("  two", add_special_tokens=False) == [410, 259, 424, 414]  # "▁", "▁t", "w", "o"
+
+
+def test_the_gguf_tells_the_published_story(stories_gguf):
+    llm = LLM(str(stories_gguf), log_stats=False)
+    from_bos, continued = llm.generate([[1], STORY[:53]], [SamplingParams(temperature=0.0, max_tokens=n)
+                                                           for n in (64, 40)])
+    assert from_bos.outputs[0].text.startswith(STORY)
+    assert continued.prompt_token_ids == [1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426]
+    assert continued.outputs[0].token_ids == from_bos.outputs[0].token_ids[15:15 + 40]
+    # The first new token is "▁She": its space is the text's (vLLM decodes new tokens after the prompt's).
+    assert continued.outputs[0].text.startswith(" She loved to play outside in the park.")
+
+
+def test_bad_sentencepiece_metadata_is_refused_by_name(tmp_path, stories_gguf):
+    model = load_model(STORIES)
+    vocab = llama2c_vocab(STORIES / "tok512.bin")
+    write_gguf(tmp_path / "a.gguf", model, metadata={k: v for k, v in vocab.items() if k != "tokenizer.ggml.scores"})
+    with pytest.raises(CheckpointError, match=r"a\.gguf: required metadata 'tokenizer\.ggml\.scores' is missing"):
+        gguf_tokenizer(open_gguf(tmp_path / "a.gguf"))
+    write_gguf(tmp_path / "b.gguf", model, metadata={**vocab, "tokenizer.ggml.scores": ([0.0] * 7, V.ARRAY, V.FLOAT32)})
+    with pytest.raises(ValueError, match=r"b\.gguf: tokenizer\.ggml\.scores has 7 entries for 512 tokens"):
+        gguf_tokenizer(open_gguf(tmp_path / "b.gguf"))
+    write_gguf(tmp_path / "c.gguf", model, metadata={**vocab, "tokenizer.ggml.model": ("t5", V.STRING)})
+    with pytest.raises(ValueError, match=r"c\.gguf: tokenizer\.ggml\.model 't5' is not supported "
+                                         r"\(supported: \['gpt2', 'llama'\]\)"):
+        LLM(str(tmp_path / "c.gguf"), log_stats=False)
+    writer = gguf.GGUFWriter(str(tmp_path / "d.gguf"), "gemma2")  # Gemma's pieces need their own build
+    for key, spec in vocab.items():
+        writer.add_key_value(key, *spec)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"d\.gguf: the SentencePiece vocabulary of a 'gemma2' file is not supported"):
+        gguf_tokenizer(open_gguf(tmp_path / "d.gguf"))
