@@ -1,15 +1,16 @@
-"""GGUF files (llama.cpp's format): a Llama, Qwen2 or Qwen3 and its tokenizer from one file.
+"""GGUF files (llama.cpp's format): a Llama, Qwen2, Qwen3 or Gemma 2 and its tokenizer from one file.
 
 The metadata (read through models.gguf_file) gives the config (`llama.block_count`,
 `llama.embedding_length`, ...) and the tokenizer (`models.gguf_tokenizer`). Each tensor is dequantized
 to f32 as it is read, cast to the compute dtype and written into the preallocated stacked arrays, so
 peak host memory is about one model (as models.checkpoint loads safetensors, both through
 models.loading). A GGUF tensor is its Hugging Face tensor under another name (convert_hf_to_gguf.py
-renames, and dims listed innermost first read back as HF's [out, in]), so the placement is
-`llama_hf_tensors`'s. One exception: llama.cpp runs a Llama with interleaved rotary pairs, and its
-converter permutes the q/k projection rows to match; they are put back into HF's rotate-half layout
-here, which models.llama assumes. Qwen2/Qwen3 are written unpermuted (llama.cpp runs them with the
-rotate-half "NEOX" rotary).
+renames, and dims listed innermost first read back as HF's [out, in]), so the placement is the
+model's HF placement (models.loading). Two exceptions: llama.cpp runs a Llama with interleaved rotary
+pairs, and its converter permutes the q/k projection rows to match; they are put back into HF's
+rotate-half layout here, which models.llama assumes (Qwen2/Qwen3 are written unpermuted: llama.cpp
+runs them with the rotate-half "NEOX" rotary). And Gemma 2's norms scale by (1 + w); the converter
+stores 1 + w, which is taken back to w.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from models.errors import CheckpointError
+from models.gemma2 import Gemma2Config
 from models.gguf_file import field, open_gguf
 from models.gguf_tokenizer import gguf_tokenizer
 from models.llama import Llama
@@ -36,7 +38,7 @@ SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
                    Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
 # general.architecture -> models.llama's model_type (llama.cpp writes Llama 2, Mistral v0.1-0.3 and TinyLlama as
 # "llama" too, with a SentencePiece vocabulary: models.gguf_tokenizer builds either kind).
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2"}
 _PERMUTED_QK = ("llama",)
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -46,19 +48,24 @@ _LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "a
                 "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                 "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                 "ffn_down": "mlp.down_proj"}
+# Gemma 2's four norms a layer: llama.cpp's ffn_norm is the one before the MLP, which HF calls
+# pre_feedforward_layernorm there (post_attention_layernorm follows attention).
+_GEMMA2_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                       "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 # Meta's Llama 3.1 / 3.2 RoPE scaling but for its factor: a GGUF keeps only the per-frequency factors
 # these give (convert_hf_to_gguf.py writes them as rope_freqs.weight), so they are checked, not read.
 _LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=8192)
 
 
-def hf_name(name: str) -> str | None:
+def hf_name(name: str, model_type: str = "llama") -> str | None:
     """The Hugging Face tensor name of a GGUF one, None for a name llama.cpp uses and HF does not."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
+    layer_names = _GEMMA2_LAYER_NAMES if model_type == "gemma2" else _LAYER_NAMES
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -98,7 +105,7 @@ def read_config(reader: gguf.GGUFReader, *, dtype=None) -> LlamaConfig:
         raise CheckpointError(f"{file}: partial rotary ({arch}.rope.dimension_count={rotary} of head_dim "
                               f"{head_dim}) is not supported")
     tokens = field(reader, "tokenizer.ggml.tokens", None)
-    config = LlamaConfig(
+    fields = dict(
         vocab_size=len(tokens) if tokens is not None else get("vocab_size"), hidden_size=hidden,
         intermediate_size=get("feed_forward_length"), num_layers=get("block_count"), num_heads=heads,
         num_kv_heads=kv_heads, head_dim=head_dim,
@@ -108,8 +115,22 @@ def read_config(reader: gguf.GGUFReader, *, dtype=None) -> LlamaConfig:
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id", None),
         eos_token_id=field(reader, "tokenizer.ggml.eos_token_id", None),
         dtype=dtype or "float32", model_type=ARCHITECTURES[arch])
+    if arch == "gemma2":
+        config = Gemma2Config(**fields, **_gemma2_fields(get, hidden, heads, head_dim))
+    else:
+        config = LlamaConfig(**fields)
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     return config if rope_freqs is None else _llama3_rope(config, dequantize(rope_freqs), file)
+
+
+def _gemma2_fields(get, hidden: int, heads: int, head_dim: int) -> dict:
+    """Gemma 2's own metadata. A file does not carry query_pre_attn_scalar: llama.cpp scales the
+    scores by head_dim ** -1/2, or (hidden / heads) ** -1/2 for the 46-layer 27B model, which is what
+    each released model's config.json says (256, 256 and 144)."""
+    softcaps = {name: (None if get(name, None) is None else _decimal(get(name)))
+                for name in ("attn_logit_softcapping", "final_logit_softcapping")}
+    scalar = hidden // heads if get("block_count") == 46 else head_dim
+    return dict(sliding_window=get("attention.sliding_window"), query_pre_attn_scalar=scalar, **softcaps)
 
 
 def _llama3_rope(config: LlamaConfig, factors: np.ndarray, file) -> LlamaConfig:  # factors f32[head_dim // 2]
@@ -150,7 +171,7 @@ def _plan(reader, config: LlamaConfig) -> list[tuple[gguf.ReaderTensor, HFTensor
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight" and config.rope_scaling is not None:
             continue  # read by read_config: models.llama computes the scaled frequencies itself
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, config.model_type)
         if name not in expected:
             raise CheckpointError(f"{file}: unexpected tensor {tensor.name!r} for a {config.model_type} of this config")
         shape = tuple(reversed(tensor.shape.tolist()))
@@ -181,6 +202,8 @@ def load_gguf_model(path, *, dtype=None, reader=None) -> Llama:
     buffers = jax.tree.map(lambda s: np.empty(s.shape, s.dtype), shapes)
     for tensor, t, heads in plan:
         values = dequantize(tensor)
+        if config.model_type == "gemma2" and tensor.name.endswith("norm.weight"):
+            values = values - 1.0  # llama.cpp stores Gemma's (1 + w) scales; HF's models.gemma2 takes w
         put_tensor(buffers, t, unpermute_qk(values, heads) if heads else values)
     nnx.replace_by_pure_dict(state, to_device(buffers))
     return nnx.merge(graphdef, state)

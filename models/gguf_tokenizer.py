@@ -13,7 +13,8 @@ architectures models.gguf loads:
   token's score. Spaces become "▁" with one prepended to the text's start (transformers' Metaspace,
   "first": not after a special token, where llama.cpp also prepends one), and a character outside
   the vocabulary is spelled by its UTF-8 bytes' `<0xXX>` tokens; BOS is added unless the file says
-  `add_bos_token` false.
+  `add_bos_token` false. Gemma's files differ (`_gemma_bpe`): merges in the vocabulary's order,
+  spaces stored as spaces, no "▁" prepended.
 The tokens llama.cpp types CONTROL are special added tokens (kept whole, dropped by
 `skip_special_tokens`), USER_DEFINED ones plain added tokens; BOS/EOS are added by the
 post-processor only where `tokenizer.ggml.add_bos_token` / `add_eos_token` say so.
@@ -42,9 +43,10 @@ PRE_TOKENIZER_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "ll
                         "smaug-bpe": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT, "pixtral": _LLAMA3_SPLIT,
                         "tekken": _TEKKEN_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
 SUPPORTED_MODELS = ("gpt2", "llama")
-# Architectures whose SentencePiece vocabulary transformers builds otherwise (Gemma's pieces of spaces
-# and merge order, Phi-3's prefix space); models.gguf loads none of them.
-_OTHER_SENTENCEPIECE = ("gemma", "gemma2", "gemma3", "phi3")
+# Gemma's SentencePiece files need their own build (below); Phi-3's, which transformers also builds
+# otherwise (its prefix space), are refused: models.gguf loads no Phi-3.
+_GEMMA = ("gemma", "gemma2", "gemma3")
+_OTHER_SENTENCEPIECE = ("phi3",)
 SPACE = "\u2581"  # SentencePiece's visible space
 
 
@@ -93,6 +95,20 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float]) -> tokenizers.Tok
     return tokenizer
 
 
+def _gemma_bpe(tokens: list[str], unknown: int | None) -> tokenizers.Tokenizer:
+    """Gemma's SentencePiece files (transformers' GemmaTokenizer): a piece of two or more spaces is
+    stored as spaces, and spelled with "▁" here; the merges follow the vocabulary's order, which its
+    scores do not; every space becomes "▁" and none is prepended; no leading space is stripped."""
+    tokens = [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    merges = sentencepiece_merges(tokens, [-float(i) for i in range(len(tokens))])
+    unk = tokens[unknown] if unknown is not None else None
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE({t: i for i, t in enumerate(tokens)}, merges, dropout=None,
+                                                           fuse_unk=True, byte_fallback=True, unk_token=unk))
+    tokenizer.normalizer = tokenizers.normalizers.Replace(" ", SPACE)
+    tokenizer.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tokenizer
+
+
 def _pre_tokenizer(pre: str | None):
     if pre not in PRE_TOKENIZER_SPLITS:
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -123,18 +139,20 @@ def gguf_tokenizer(reader: gguf.GGUFReader) -> Tokenizer | None:
         raise ValueError(f"{file}: the SentencePiece vocabulary of a {arch!r} file is not supported")
     tokens = field(reader, "tokenizer.ggml.tokens")
     types = field(reader, "tokenizer.ggml.token_type", None) or [gguf.TokenType.NORMAL] * len(tokens)
+    ids = {key: field(reader, f"tokenizer.ggml.{key}_token_id", None)
+           for key in ("bos", "eos", "eot", "eom", "unknown", "padding")}
     byte_level = kind == "gpt2"
     if byte_level:
         tokenizer = _byte_level_bpe(tokens, field(reader, "tokenizer.ggml.merges"))
         tokenizer.pre_tokenizer = _pre_tokenizer(field(reader, "tokenizer.ggml.pre", None))
         tokenizer.decoder = decoders.ByteLevel()
+    elif arch in _GEMMA:
+        tokenizer = _gemma_bpe(tokens, ids["unknown"])
     else:
         scores = field(reader, "tokenizer.ggml.scores")
         if len(scores) != len(tokens):
             raise ValueError(f"{file}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
         tokenizer = _sentencepiece_bpe(tokens, scores)
-    ids = {key: field(reader, f"tokenizer.ggml.{key}_token_id", None)
-           for key in ("bos", "eos", "eot", "eom", "unknown", "padding")}
     # transformers adds CONTROL tokens, and the bos/eos/unk/pad it names, as special; in a byte-level
     # vocabulary one spelled outside the byte alphabet is a mislabelled raw-text token and stays an
     # ordinary one.

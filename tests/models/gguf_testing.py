@@ -15,10 +15,11 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from models.loading import llama_hf_tensors
+from models.loading import MODEL_REGISTRY
 
 Q = gguf.GGMLQuantizationType
-_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
+_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
+         "gemma2": gguf.MODEL_ARCH.GEMMA2}
 
 
 def permute(weights: np.ndarray, n_head: int) -> np.ndarray:
@@ -30,7 +31,7 @@ def permute(weights: np.ndarray, n_head: int) -> np.ndarray:
 def hf_state(model) -> dict[str, np.ndarray]:
     """HF tensor name -> f32 array in HF's layout ([out, in] for a linear), read from our model."""
     ours, state = nnx.to_pure_dict(nnx.state(model)), {}
-    for name, t in llama_hf_tensors(model.config).items():
+    for name, t in MODEL_REGISTRY[model.config.model_type].hf_tensors(model.config).items():
         x = ours
         for key in t.param:
             x = x[key]
@@ -70,9 +71,13 @@ def write_gguf(path, model, *, types=None, raw=None, metadata=None) -> dict[str,
         writer.add_bos_token_id(c.bos_token_id)
     if c.eos_token_id is not None:
         writer.add_eos_token_id(c.eos_token_id)
-    if c.head_dim != c.hidden_size // c.num_heads:  # as the converter writes an explicit head_dim
+    if c.head_dim != c.hidden_size // c.num_heads or arch == "gemma2":  # as the converter writes head_dim
         writer.add_key_length(c.head_dim)
         writer.add_value_length(c.head_dim)
+    if arch == "gemma2":  # Gemma2Model.set_gguf_parameters
+        writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(c.final_logit_softcapping)
+        writer.add_sliding_window(c.sliding_window)
     for key, spec in (metadata or {}).items():
         writer.add_key_value(key, *spec)
     names = gguf.get_tensor_name_map(_ARCH[arch], c.num_layers)
@@ -82,6 +87,8 @@ def write_gguf(path, model, *, types=None, raw=None, metadata=None) -> dict[str,
     for hf, values in hf_state(model).items():
         base, suffix = hf.rsplit(".", 1)
         name = f"{names.get_name(base)}.{suffix}"
+        shift = arch == "gemma2" and hf.endswith("norm.weight")  # Gemma2Model.modify_tensors: w + 1
+        values = values + np.float32(1) if shift else values
         if arch == "llama" and ".self_attn.q_proj." in hf:
             values = permute(values, c.num_heads)
         elif arch == "llama" and ".self_attn.k_proj." in hf:
@@ -95,7 +102,7 @@ def write_gguf(path, model, *, types=None, raw=None, metadata=None) -> dict[str,
             decoded = unpermute(decoded, c.num_heads)
         elif arch == "llama" and ".attn_k." in name:
             decoded = unpermute(decoded, c.num_kv_heads)
-        meant[name] = decoded
+        meant[name] = decoded - np.float32(1) if shift else decoded
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -166,7 +173,7 @@ def save_hf_dir(directory, config, gguf_values: dict[str, np.ndarray]):
     directory.mkdir(parents=True, exist_ok=True)
     names = gguf.get_tensor_name_map(_ARCH[config.model_type], config.num_layers)
     tensors = {}
-    for hf in llama_hf_tensors(config):
+    for hf in MODEL_REGISTRY[config.model_type].hf_tensors(config):
         base, suffix = hf.rsplit(".", 1)
         tensors[hf] = np.ascontiguousarray(gguf_values[f"{names.get_name(base)}.{suffix}"])
     save_file(tensors, str(directory / "model.safetensors"))

@@ -96,11 +96,46 @@ def test_bad_sentencepiece_metadata_is_refused_by_name(tmp_path, stories_gguf):
     with pytest.raises(ValueError, match=r"c\.gguf: tokenizer\.ggml\.model 't5' is not supported "
                                          r"\(supported: \['gpt2', 'llama'\]\)"):
         LLM(str(tmp_path / "c.gguf"), log_stats=False)
-    writer = gguf.GGUFWriter(str(tmp_path / "d.gguf"), "gemma2")  # Gemma's pieces need their own build
-    for key, spec in vocab.items():
+    write_vocab(tmp_path / "d.gguf", "phi3", vocab)  # Phi-3's prefix space needs its own build
+    with pytest.raises(ValueError, match=r"d\.gguf: the SentencePiece vocabulary of a 'phi3' file is not supported"):
+        gguf_tokenizer(open_gguf(tmp_path / "d.gguf"))
+
+
+def write_vocab(path, arch, metadata):
+    """A GGUF of `arch` holding only tokenizer metadata."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, spec in metadata.items():
         writer.add_key_value(key, *spec)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"d\.gguf: the SentencePiece vocabulary of a 'gemma2' file is not supported"):
-        gguf_tokenizer(open_gguf(tmp_path / "d.gguf"))
+
+
+def test_a_gemma_vocabulary_matches_transformers(tmp_path):
+    """Gemma 2's files: merges in the vocabulary's order (their scores, all 0 here, say nothing),
+    pieces of spaces stored as spaces ("  " and "   " added at the end), no "▁" prepended, BOS
+    added."""
+    pytest.importorskip("transformers")
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    vocab = llama2c_vocab(STORIES / "tok512.bin")
+    tokens = vocab["tokenizer.ggml.tokens"][0] + ["  ", "   "]
+    vocab.update({"tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING),
+                  "tokenizer.ggml.scores": ([0.0] * len(tokens), V.ARRAY, V.FLOAT32),
+                  "tokenizer.ggml.token_type": (vocab["tokenizer.ggml.token_type"][0] + [1, 1], V.ARRAY, V.INT32),
+                  "tokenizer.ggml.bos_token_id": (1, V.UINT32), "tokenizer.ggml.eos_token_id": (2, V.UINT32),
+                  "tokenizer.ggml.add_bos_token": (True, V.BOOL)})
+    write_vocab(tmp_path / "g.gguf", "gemma2", vocab)
+    ours = gguf_tokenizer(open_gguf(tmp_path / "g.gguf"))
+    # transformers' builder, as from_pretrained runs it; BOS is added by the class, checked below.
+    theirs = convert_gguf_tokenizer(*get_gguf_tokenizer(str(tmp_path / "g.gguf"))[:2])[0]
+    for text in TEXTS + ["a  b   c    d", "Lily    went"]:
+        assert ours.encode(text) == [1] + ours.encode(text, add_special_tokens=False), text
+        ids = ours.encode(text, add_special_tokens=False)
+        assert ids == theirs.encode(text, add_special_tokens=False).ids, text
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip), text
+    # "▁b" comes before "▁▁" in the vocabulary, so it merges first; "▁▁" alone is one piece.
+    assert ours.encode("a  b  ", add_special_tokens=False) == [412, 410, 268, 512]
+    assert ours.encode("Lily")[:2] == [1, 438]  # BOS, then "L": no "▁" before the text
+    assert ours.decode(ours.encode(" Lily went")) == " Lily went"
