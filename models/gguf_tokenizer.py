@@ -48,6 +48,10 @@ SUPPORTED_MODELS = ("gpt2", "llama")
 _GEMMA = ("gemma", "gemma2", "gemma3")
 _OTHER_SENTENCEPIECE = ("phi3",)
 SPACE = "\u2581"  # SentencePiece's visible space
+# Tokens that end a generation by their text alone (llama.cpp's llama-vocab.cpp, for files that name
+# no end-of-turn token: Gemma's "<end_of_turn>", ChatML's "<|im_end|>", ...).
+END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
+                     "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>")
 
 
 def byte_alphabet() -> dict[int, str]:
@@ -171,6 +175,9 @@ def gguf_tokenizer(reader: gguf.GGUFReader) -> Tokenizer | None:
                            bool(field(reader, "tokenizer.ggml.add_eos_token", False)))
     if post is not None:
         tokenizer.post_processor = post
-    # Generation ends at EOS, or at llama.cpp's end-of-turn / end-of-message tokens when the file names them.
-    eos = tuple(dict.fromkeys(i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None))
+    # Generation ends at EOS, at the end-of-turn / end-of-message tokens the file names, and at the
+    # tokens llama.cpp takes for such by their text, EOS first (the chat template's `eos_token`).
+    named = [ids["eos"], ids["eot"], ids["eom"]]
+    eos = tuple(dict.fromkeys(i for i in named + [i for i, t in enumerate(tokens) if t in END_OF_GENERATION]
+                              if i is not None))
     return Tokenizer(tokenizer, eos, ids["bos"], chat_template=field(reader, "tokenizer.chat_template", None))

@@ -114,22 +114,23 @@ def write_vocab(path, arch, metadata):
 def test_a_gemma_vocabulary_matches_transformers(tmp_path):
     """Gemma 2's files: merges in the vocabulary's order (their scores, all 0 here, say nothing),
     pieces of spaces stored as spaces ("  " and "   " added at the end), no "▁" prepended, BOS
-    added."""
+    added; "<end_of_turn>", which the files do not name, ends a generation as in llama.cpp."""
     pytest.importorskip("transformers")
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
 
     vocab = llama2c_vocab(STORIES / "tok512.bin")
-    tokens = vocab["tokenizer.ggml.tokens"][0] + ["  ", "   "]
+    tokens = vocab["tokenizer.ggml.tokens"][0] + ["  ", "   ", "<end_of_turn>"]
     vocab.update({"tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING),
                   "tokenizer.ggml.scores": ([0.0] * len(tokens), V.ARRAY, V.FLOAT32),
-                  "tokenizer.ggml.token_type": (vocab["tokenizer.ggml.token_type"][0] + [1, 1], V.ARRAY, V.INT32),
+                  "tokenizer.ggml.token_type": (vocab["tokenizer.ggml.token_type"][0] + [1, 1, 3], V.ARRAY, V.INT32),
                   "tokenizer.ggml.bos_token_id": (1, V.UINT32), "tokenizer.ggml.eos_token_id": (2, V.UINT32),
                   "tokenizer.ggml.add_bos_token": (True, V.BOOL)})
     write_vocab(tmp_path / "g.gguf", "gemma2", vocab)
     ours = gguf_tokenizer(open_gguf(tmp_path / "g.gguf"))
     # transformers' builder, as from_pretrained runs it; BOS is added by the class, checked below.
     theirs = convert_gguf_tokenizer(*get_gguf_tokenizer(str(tmp_path / "g.gguf"))[:2])[0]
-    for text in TEXTS + ["a  b   c    d", "Lily    went"]:
+    assert ours.eos_token_ids == (2, 514)
+    for text in TEXTS + ["a  b   c    d", "Lily    went", "<end_of_turn>Lily"]:
         assert ours.encode(text) == [1] + ours.encode(text, add_special_tokens=False), text
         ids = ours.encode(text, add_special_tokens=False)
         assert ids == theirs.encode(text, add_special_tokens=False).ids, text

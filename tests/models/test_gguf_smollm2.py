@@ -53,7 +53,8 @@ def test_config_and_special_tokens_from_the_metadata(smollm2):
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
         head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
         max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, dtype="float32")
-    assert (tokenizer.eos_token_ids, tokenizer.bos_token_id) == ((2,), 1)
+    # EOS, then "<|endoftext|>", which llama.cpp also ends a generation at (by its text).
+    assert (tokenizer.eos_token_ids, tokenizer.bos_token_id) == ((2, 0), 1)
     assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.vocab_size) == ("<|im_start|>", "<|im_end|>", 49152)
     # As transformers encodes it (asserted below where it is installed); no BOS: add_bos_token is false.
     assert tokenizer.encode("The capital of France is") == [504, 3575, 282, 4649, 314]

@@ -12,6 +12,8 @@ from paged_jax.structured_output import grammar, matcher, params, tokenizer, too
 from paged_jax.structured_output.params import StructuredOutputsParams as SOP
 
 EOS = 2  # SmolLM2-Instruct's <|im_end|>
+# The file's end-of-generation tokens: EOS, then <|endoftext|>, where llama.cpp also ends one.
+END = [0, EOS]
 TOKENIZER_VOCAB = 49152
 
 PERSON = {"type": "object",
@@ -251,7 +253,7 @@ def test_each_kind_constrains_a_real_token_walk(tok, compiler, spec, text, forbi
     assert not bit(first, ids(tok, forbidden_first)[0])
     m = walk(tok, compiled, text)
     assert m.is_finished and m.is_accepting and not m.is_error
-    assert allowed(mask_of(m), m.vocab_size) == [EOS]  # finished: only EOS may follow
+    assert allowed(mask_of(m), m.vocab_size) == END  # finished: only an end token may follow
     assert m.accept([EOS]) and m.is_finished
 
 
@@ -279,7 +281,7 @@ def test_a_forbidden_token_is_refused_and_leaves_only_eos(tok, compiler):
     n = m.num_tokens
     assert not m.accept(ids(tok, "}"))  # "age" and "address" are required
     assert m.is_error and not m.is_finished and "}" in m.error
-    assert allowed(mask_of(m), m.vocab_size) == [EOS]
+    assert allowed(mask_of(m), m.vocab_size) == END
     assert m.num_tokens == n
 
 
@@ -407,7 +409,7 @@ def test_tool_choice_required_schema_constrains_generation(tok, compiler):
 def test_model_vocab_past_the_tokenizer_is_masked(tok):
     vocab = TOKENIZER_VOCAB + 100  # a model whose embedding is padded past its tokenizer
     big = tokenizer.ll_tokenizer(tok, vocab_size=vocab)
-    assert big.vocab_size == vocab and big.eos_tokens == [EOS]
+    assert big.vocab_size == vocab and big.eos_tokens == [EOS, 0]
     m = matcher.Matcher(grammar.compile_grammar(SOP(regex="(.|\n)*"), big))
     row = mask_of(m)
     assert row.shape == (tokenizer.bitmask_words(vocab),) == (1540,)
