@@ -83,7 +83,7 @@ def test_the_gguf_tells_the_published_story(stories_gguf):
     assert continued.outputs[0].text.startswith(" She loved to play outside in the park.")
 
 
-def test_bad_sentencepiece_metadata_is_refused_by_name(tmp_path, stories_gguf):
+def test_bad_sentencepiece_metadata_is_refused_by_name(tmp_path):
     model = load_model(STORIES)
     vocab = llama2c_vocab(STORIES / "tok512.bin")
     write_gguf(tmp_path / "a.gguf", model, metadata={k: v for k, v in vocab.items() if k != "tokenizer.ggml.scores"})
