@@ -4,6 +4,7 @@ weights with their q/k rows permuted and the pieces, scores and types of llama2.
 model's own SentencePiece vocabulary, exported by llama2.c). References: transformers reading the
 same file (where it is installed), the checkpoint's tokenizer.json (which encodes as llama2.c's
 run.c does), and the story llama2.c publishes for the model."""
+import json
 from pathlib import Path
 
 import gguf
@@ -15,6 +16,7 @@ from models.checkpoint import CheckpointError, load_model
 from models.gguf_file import open_gguf
 from models.gguf_tokenizer import gguf_tokenizer, sentencepiece_merges
 from paged_jax import LLM, SamplingParams
+from paged_jax.sampling_params import StructuredOutputsParams
 
 STORIES = Path(__file__).resolve().parents[1] / "data" / "stories260K"
 V = gguf.GGUFValueType
@@ -81,6 +83,21 @@ def test_the_gguf_tells_the_published_story(stories_gguf):
     assert continued.outputs[0].token_ids == from_bos.outputs[0].token_ids[15:15 + 40]
     # The first new token is "▁She": its space is the text's (vLLM decodes new tokens after the prompt's).
     assert continued.outputs[0].text.startswith(" She loved to play outside in the park.")
+
+
+def test_a_json_schema_holds_with_byte_fallback_pieces(stories_gguf):
+    """Structured output over a SentencePiece vocabulary: llguidance reads its "▁" and <0xXX> pieces
+    as the bytes they stand for, so the grammar's braces, quotes and digits (byte tokens here) and
+    its spaces ("▁") are allowed exactly where they belong."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer", "minimum": 1, "maximum": 99}},
+              "required": ["name", "age"], "additionalProperties": False}
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=48,
+                            structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    for out in LLM(str(stories_gguf), log_stats=False).generate(["Once upon a time, Lily", "Tom said"], params):
+        answer = json.loads(out.outputs[0].text)
+        assert out.outputs[0].finish_reason == "stop" and sorted(answer) == ["age", "name"]
+        assert 1 <= answer["age"] <= 99 and len(answer["name"]) <= 12
 
 
 def test_bad_sentencepiece_metadata_is_refused_by_name(tmp_path):
