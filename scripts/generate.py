@@ -23,7 +23,7 @@ from jax import monitoring  # noqa: E402
 from paged_jax import LLM, LoRARequest, SamplingParams, compilation_cache  # noqa: E402
 from paged_jax.engine.arg_utils import EngineArgs  # noqa: E402
 from paged_jax.entrypoints import cli_args  # noqa: E402
-from paged_jax.entrypoints.llm import load_model  # noqa: E402
+from paged_jax.entrypoints.llm import load_model, load_tokenizer  # noqa: E402
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "embedded"
 PROMPTS = ("def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self):\n",
@@ -67,9 +67,14 @@ def fail(message: str):
 
 def load(args):
     try:
-        model, tokenizer = load_model(args.model, dtype=args.dtype)
+        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+    except Exception as e:  # noqa: BLE001
+        fail(f"cannot load --tokenizer {args.tokenizer}: {type(e).__name__}: {(str(e) or '?').splitlines()[0]}")
+    try:
+        model, found = load_model(args.model, dtype=args.dtype)
     except Exception as e:  # noqa: BLE001  any failure here is the directory's: report it, not our stack
         fail(f"cannot load --model {args.model}: {type(e).__name__}: {(str(e) or '?').splitlines()[0]}")
+    tokenizer = tokenizer or found
     if tokenizer is None:
         fail(f"--model {args.model} has no tokenizer (tokenizer.json, or tokenizer.ggml.* in a GGUF), "
              "which text prompts need")
@@ -121,6 +126,8 @@ def header(i, j, num_prompts, n):
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint directory or GGUF file (default: the embedded model)")
+    ap.add_argument("--tokenizer", metavar="PATH", help="a checkpoint directory or GGUF file whose tokenizer replaces "
+                                                        "the model's (e.g. a GGUF's base model)")
     ap.add_argument("--prompt", action="append", help="a prompt (repeatable); default: built-in Python prompts")
     ap.add_argument("--prompts-file", help="a file of prompts, one per line")
     for flag, kind, default in (("--max-tokens", int, 96), ("--temperature", float, 0.7), ("--top-p", float, 0.95),

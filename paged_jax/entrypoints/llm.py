@@ -37,6 +37,16 @@ def load_model(path, dtype=None):
     return module.load_model(path, dtype=dtype), module.load_tokenizer(path)
 
 
+def load_tokenizer(path):
+    """vLLM's `tokenizer=`: the tokenizer of a checkpoint directory (tokenizer.json) or a GGUF file,
+    used instead of the model's own (for a GGUF, vLLM advises its base model's original tokenizer)."""
+    tokenizer = importlib.import_module(GGUF_LOADER).load_tokenizer(path)
+    if tokenizer is None:
+        raise ValueError(f"tokenizer={str(path)!r} has no tokenizer: give a directory with tokenizer.json "
+                         "or a GGUF file with tokenizer.ggml.* metadata")
+    return tokenizer
+
+
 def _prompt_list(prompts) -> list:
     """One prompt (a string, a dict, or token ids) is a list of one: a dict iterated would give its keys."""
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -55,7 +65,7 @@ class LLM:
     def __init__(self, model, *, tokenizer=None, mesh=None, **kwargs):
         """`model`: a checkpoint directory (Hugging Face safetensors or a converted Orbax one), a GGUF
         file (dequantized at load) or a model object (e.g. `models.Llama`), with an optional
-        `tokenizer`. `kwargs`: EngineArgs' fields (paged_jax/engine/arg_utils.py), vLLM's names.
+        `tokenizer` (an object, or a directory / GGUF file whose tokenizer replaces the model's). `kwargs`: EngineArgs' fields (paged_jax/engine/arg_utils.py), vLLM's names.
         Memory, as vLLM's: `gpu_memory_utilization` (default 0.9) is the fraction of the device this
         engine may use, weights, activation peak and KV together; `kv_cache_memory_fraction`, if
         given, wins and gives the KV that fraction of what the weights leave (engine.config.kv_budget_bytes).
@@ -64,6 +74,8 @@ class LLM:
         same budget. `quantization` "int8" stores the matmul weights as int8 (models/quantize.py).
         `mesh`, `preemption_mode`, `async_scheduling`: see LLMEngine."""
         args = EngineArgs(**kwargs)
+        if isinstance(tokenizer, (str, Path)):  # before the model: a bad path fails fast
+            tokenizer = load_tokenizer(tokenizer)
         if isinstance(model, (str, Path)):
             model, found = load_model(model, dtype=args.dtype)
             model = quantize(model, args.quantization)  # before sizing: the unquantized weights are freed

@@ -85,6 +85,19 @@ def test_the_gguf_tells_the_published_story(stories_gguf):
     assert continued.outputs[0].text.startswith(" She loved to play outside in the park.")
 
 
+def test_a_gguf_without_a_vocabulary_takes_its_base_models_tokenizer(tmp_path):
+    """vLLM's `tokenizer=` (as it advises for a GGUF): a file written without tokenizer metadata,
+    given the checkpoint's directory, encodes and tells the story as the SentencePiece file does."""
+    write_gguf(tmp_path / "bare.gguf", load_model(STORIES))
+    assert LLM(str(tmp_path / "bare.gguf"), log_stats=False).get_tokenizer() is None
+    llm = LLM(str(tmp_path / "bare.gguf"), tokenizer=STORIES, log_stats=False)
+    out = llm.generate([STORY[:53]], SamplingParams(temperature=0.0, max_tokens=12))[0]
+    assert out.prompt_token_ids == [1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426]
+    assert out.outputs[0].text.startswith(" She loved to play")
+    with pytest.raises(ValueError, match=r"tokenizer='.*bare\.gguf' has no tokenizer: give a directory with "):
+        LLM(str(tmp_path / "bare.gguf"), tokenizer=tmp_path / "bare.gguf", log_stats=False)
+
+
 def test_a_json_schema_holds_with_byte_fallback_pieces(stories_gguf):
     """Structured output over a SentencePiece vocabulary: llguidance reads its "▁" and <0xXX> pieces
     as the bytes they stand for, so the grammar's braces, quotes and digits (byte tokens here) and

@@ -117,6 +117,26 @@ def test_model_without_weights_is_one_line_and_exit_2(tmp_path, capsys):
     assert captured.err.splitlines() == [expected]
 
 
+def test_tokenizer_flag_gives_a_model_the_tokenizer_it_lacks(tmp_path, capsys):
+    """--tokenizer PATH (vLLM's flag, as for a GGUF with its base model's tokenizer): a copy of the
+    embedded model without tokenizer.json prints what the model itself prints; a path without a
+    tokenizer is one line and exit 2."""
+    model = tmp_path / "model"
+    shutil.copytree(generate.DEFAULT_MODEL, model)
+    (model / "tokenizer.json").unlink()
+    args = ["--prompt", "def add(a, b):", "--max-tokens", "8", "--temperature", "0", "--no-compilation-cache"]
+    generate.main(args)
+    expected = capsys.readouterr().out.split("\n\nrequests")[0]
+    generate.main(["--model", str(model), "--tokenizer", str(generate.DEFAULT_MODEL), *args])
+    assert capsys.readouterr().out.split("\n\nrequests")[0] == expected
+    with pytest.raises(SystemExit) as exit_info:
+        generate.main(["--model", str(model), "--tokenizer", str(tmp_path), *args])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"generate.py: error: cannot load --tokenizer {tmp_path}: ValueError: tokenizer={str(tmp_path)!r} has no "
+        "tokenizer: give a directory with tokenizer.json or a GGUF file with tokenizer.ggml.* metadata"]
+
+
 def test_chat_sends_each_prompt_through_the_chat_template(tmp_path, capsys):
     model = tmp_path / "chat-model"
     shutil.copytree(generate.DEFAULT_MODEL, model)

@@ -38,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--served-model-name", help="the name clients ask for (default: --model as given)")
     ap.add_argument("--api-key", default=os.environ.get("PAGED_JAX_API_KEY"),
                     help="require `Authorization: Bearer KEY` on /v1 (default: $PAGED_JAX_API_KEY)")
+    ap.add_argument("--tokenizer", metavar="PATH", help="a checkpoint directory or GGUF file whose tokenizer "
+                                                        "replaces the model's (e.g. a GGUF's base model)")
     ap.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template instead of the model's")
     ap.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES)
     ap.add_argument("--max-waiting-requests", type=int, metavar="N",
@@ -130,7 +132,7 @@ def _build(args, model: str):
     if not args.no_compilation_cache:
         compilation_cache.enable(args.compilation_cache_dir)
     try:
-        llm = LLM(model, **engine_args.kwargs())
+        llm = LLM(model, tokenizer=args.tokenizer, **engine_args.kwargs())
         for lora in args.lora_modules:  # read at start: a bad adapter stops the server now
             llm.engine.add_lora(lora)
         tokenizer = llm.get_tokenizer()
