@@ -50,8 +50,9 @@ _OTHER_SENTENCEPIECE = ("phi3",)
 SPACE = "\u2581"  # SentencePiece's visible space
 # Tokens that end a generation by their text alone (llama.cpp's llama-vocab.cpp, for files that name
 # no end-of-turn token: Gemma's "<end_of_turn>", ChatML's "<|im_end|>", ...).
-END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
-                     "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>")
+END_OF_GENERATION = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
+                               "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>",
+                               "<end_of_utterance>"})
 
 
 def byte_alphabet() -> dict[int, str]:
@@ -94,9 +95,14 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float]) -> tokenizers.Tok
                                                            sentencepiece_merges(tokens, scores), dropout=None,
                                                            fuse_unk=True, byte_fallback=True))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="first", split=False)
-    tokenizer.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
-                                           decoders.Strip(" ", 1, 0)])
+    # Strip: the "▁" prepended to the text's start.
+    tokenizer.decoder = decoders.Sequence([*_sentencepiece_decoders(), decoders.Strip(" ", 1, 0)])
     return tokenizer
+
+
+def _sentencepiece_decoders() -> list:
+    """Decoding a SentencePiece: "▁" back to a space, <0xXX> pieces back to their bytes, all joined."""
+    return [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
 
 
 def _gemma_bpe(tokens: list[str], unknown: int | None) -> tokenizers.Tokenizer:
@@ -109,7 +115,7 @@ def _gemma_bpe(tokens: list[str], unknown: int | None) -> tokenizers.Tokenizer:
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE({t: i for i, t in enumerate(tokens)}, merges, dropout=None,
                                                            fuse_unk=True, byte_fallback=True, unk_token=unk))
     tokenizer.normalizer = tokenizers.normalizers.Replace(" ", SPACE)
-    tokenizer.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer.decoder = decoders.Sequence(_sentencepiece_decoders())
     return tokenizer
 
 
@@ -138,7 +144,8 @@ def gguf_tokenizer(reader: gguf.GGUFReader) -> Tokenizer | None:
         return None
     file, arch = reader.data.filename, field(reader, "general.architecture", None)
     if kind not in SUPPORTED_MODELS:
-        raise ValueError(f"{file}: tokenizer.ggml.model {kind!r} is not supported (supported: {list(SUPPORTED_MODELS)})")
+        raise ValueError(f"{file}: tokenizer.ggml.model {kind!r} is not supported "
+                         f"(supported: {list(SUPPORTED_MODELS)})")
     if kind == "llama" and arch in _OTHER_SENTENCEPIECE:
         raise ValueError(f"{file}: the SentencePiece vocabulary of a {arch!r} file is not supported")
     tokens = field(reader, "tokenizer.ggml.tokens")
@@ -177,7 +184,6 @@ def gguf_tokenizer(reader: gguf.GGUFReader) -> Tokenizer | None:
         tokenizer.post_processor = post
     # Generation ends at EOS, at the end-of-turn / end-of-message tokens the file names, and at the
     # tokens llama.cpp takes for such by their text, EOS first (the chat template's `eos_token`).
-    named = [ids["eos"], ids["eot"], ids["eom"]]
-    eos = tuple(dict.fromkeys(i for i in named + [i for i, t in enumerate(tokens) if t in END_OF_GENERATION]
-                              if i is not None))
+    by_text = [i for i, t in enumerate(tokens) if t in END_OF_GENERATION]
+    eos = tuple(dict.fromkeys(i for i in [ids["eos"], ids["eot"], ids["eom"], *by_text] if i is not None))
     return Tokenizer(tokenizer, eos, ids["bos"], chat_template=field(reader, "tokenizer.chat_template", None))

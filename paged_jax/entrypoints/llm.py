@@ -65,7 +65,8 @@ class LLM:
     def __init__(self, model, *, tokenizer=None, mesh=None, **kwargs):
         """`model`: a checkpoint directory (Hugging Face safetensors or a converted Orbax one), a GGUF
         file (dequantized at load) or a model object (e.g. `models.Llama`), with an optional
-        `tokenizer` (an object, or a directory / GGUF file whose tokenizer replaces the model's). `kwargs`: EngineArgs' fields (paged_jax/engine/arg_utils.py), vLLM's names.
+        `tokenizer` (an object, or a directory / GGUF file whose tokenizer replaces the model's).
+        `kwargs`: EngineArgs' fields (paged_jax/engine/arg_utils.py), vLLM's names.
         Memory, as vLLM's: `gpu_memory_utilization` (default 0.9) is the fraction of the device this
         engine may use, weights, activation peak and KV together; `kv_cache_memory_fraction`, if
         given, wins and gives the KV that fraction of what the weights leave (engine.config.kv_budget_bytes).
