@@ -589,7 +589,8 @@ def test_an_error_inside_a_stream_is_an_error_chunk_then_done():
                                           (["--swap-space", "-1"], "swap_space"),
                                           (["--enable-host-prefix-cache", "--no-enable-prefix-caching"],
                                            "enable_prefix_caching"),
-                                          (["--tokenizer", "/no/such/dir"], "tokenizer='/no/such/dir' has no tokenizer")])
+                                          (["--tokenizer", "/no/such/dir"], "tokenizer='/no/such/dir' has no tokenizer"),
+                                          (["--max-stored-responses", "-1"], "--max-stored-responses must be >= 0, got -1")])
 def test_engine_flags_reach_the_engine_and_a_bad_one_is_one_line_and_exit_2(flags, named, capsys, monkeypatch):
     import uvicorn
 

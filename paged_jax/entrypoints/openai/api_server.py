@@ -3,6 +3,7 @@ Its command line (`python -m paged_jax.serve`) is paged_jax/entrypoints/openai/c
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import re
@@ -20,10 +21,12 @@ from paged_jax.entrypoints.openai import protocol
 from paged_jax.entrypoints.openai.lora_adapters import LoRAAdapters
 from paged_jax.entrypoints.openai.metrics import Metrics
 from paged_jax.entrypoints.openai.protocol import APIError, DetokenizeRequest, TokenizeRequest, engine_dead
+from paged_jax.entrypoints.openai.responses import Responses
 from paged_jax.entrypoints.openai.serving import Serving
 
 MAX_REQUEST_BYTES = 4 << 20  # a body past this is refused, and never held in memory
 DRAIN_BYTES = 64 << 20
+MAX_STORED_RESPONSES = 1024  # /v1/responses kept for previous_response_id and GET
 RETRY_AFTER_S = 1  # a refused request's Retry-After: a step or a few free a batch's worth of room
 
 
@@ -126,16 +129,18 @@ async def _read_json(request: Request, limit: int, serving: Serving) -> dict:
 def build_app(llm: AsyncLLM, *, model_name: str, metrics: Metrics, api_key: str | None = None,
               max_request_bytes: int = MAX_REQUEST_BYTES, model_root: str | None = None,
               tool_parser=None, enable_auto_tool_choice: bool = False, warm_up=None, lora_modules=(),
-              allow_runtime_lora_updating: bool = False) -> FastAPI:
+              allow_runtime_lora_updating: bool = False, max_stored_responses: int = MAX_STORED_RESPONSES) -> FastAPI:
     """`warm_up`: an engine.warm_up.WarmUp running in the background: /health is 503 (with its
     progress) until it ends, while requests are served (compiling what they need if it is not
     ready yet). `lora_modules`: LoRARequests that clients name as their model;
-    `allow_runtime_lora_updating`: /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove them."""
+    `allow_runtime_lora_updating`: /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove them.
+    `max_stored_responses`: the newest /v1/responses kept for previous_response_id and GET."""
     app = FastAPI(title="paged-jax", version=paged_jax.__version__)
     engine = llm.engine
     adapters = LoRAAdapters(lora_modules, engine)
     serving = Serving(llm, model_name, tool_parser=tool_parser, enable_auto_tool_choice=enable_auto_tool_choice,
                       adapters=adapters)
+    responses = Responses(serving, max_stored_responses)
 
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
@@ -157,9 +162,9 @@ def build_app(llm: AsyncLLM, *, model_name: str, metrics: Metrics, api_key: str 
     async def gone(_, e: ClientDisconnect):  # mid-upload: nobody reads the answer, nothing to log
         return Response(status_code=499)
 
-    async def generate(request: Request, chat: bool):
+    async def generate(request: Request, create):
         # The body is read before listening for a disconnect: both would take the same messages.
-        work = serving.create(await _read_json(request, max_request_bytes, serving), chat=chat)
+        work = create(await _read_json(request, max_request_bytes, serving))
         result = await _unless_disconnected(request, work)
         if result is None:  # the client left before the answer: nobody reads this response
             return Response(status_code=499)
@@ -169,11 +174,23 @@ def build_app(llm: AsyncLLM, *, model_name: str, metrics: Metrics, api_key: str 
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await generate(request, chat=False)
+        return await generate(request, functools.partial(serving.create, chat=False))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await generate(request, chat=True)
+        return await generate(request, functools.partial(serving.create, chat=True))
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        return await generate(request, responses.create)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return responses.store.get(response_id)[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return responses.store.delete(response_id)
 
     @app.get("/v1/models")
     async def models():

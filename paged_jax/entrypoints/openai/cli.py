@@ -23,7 +23,7 @@ from paged_jax.engine.arg_utils import EngineArgs
 from paged_jax.engine.warm_up import WarmUp, max_prompt_len
 from paged_jax.entrypoints import cli_args
 from paged_jax.entrypoints.async_llm import AsyncLLM
-from paged_jax.entrypoints.openai.api_server import MAX_REQUEST_BYTES, build_app
+from paged_jax.entrypoints.openai.api_server import MAX_REQUEST_BYTES, MAX_STORED_RESPONSES, build_app
 from paged_jax.entrypoints.openai.metrics import Metrics
 from paged_jax.entrypoints.step_broadcast import StepReceiver, StepSender, follow, summary
 from paged_jax.lora.request import parse_lora_modules
@@ -45,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-waiting-requests", type=int, metavar="N",
                     help="requests that may wait beside a full batch of max-num-seqs; past them a request "
                          "gets 503 with Retry-After (default: 4 * max-num-seqs)")
+    ap.add_argument("--max-stored-responses", type=int, default=MAX_STORED_RESPONSES, metavar="N",
+                    help="/v1/responses kept in memory for previous_response_id and GET, the oldest dropped "
+                         "first (0: none is stored)")
     ap.add_argument("--compilation-cache-dir", metavar="DIR", help="jax's persistent compilation cache")
     ap.add_argument("--no-compilation-cache", action="store_true")
     ap.add_argument("--warmup-prompt-len", type=int, default=32,
@@ -94,6 +97,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         fail(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    if args.max_stored_responses < 0:
+        fail(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
     if args.tool_call_parser is not None:
         from paged_jax.structured_output.tool_parsers import get_tool_parser
 
@@ -197,7 +202,8 @@ def _serve(args, llm, model: str) -> None:
     app = build_app(async_llm, model_name=name, metrics=metrics, api_key=args.api_key,
                     max_request_bytes=args.max_request_bytes, model_root=model, tool_parser=args.tool_call_parser,
                     enable_auto_tool_choice=args.enable_auto_tool_choice, warm_up=warming,
-                    lora_modules=args.lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                    lora_modules=args.lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                    max_stored_responses=args.max_stored_responses)
     print(f"paged-jax-serve: serving {name!r} on http://{args.host}:{args.port}", flush=True)
     # uvicorn stops gracefully on SIGINT or SIGTERM and then raises the signal again, under the
     # handlers it found: ignored, so that the shutdown below runs (a job's followers need its stop

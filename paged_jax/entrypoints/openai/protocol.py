@@ -46,7 +46,7 @@ def validation_error(e: RequestValidationError) -> APIError:
     return APIError(f"{reasons}{more}; got {first['input']!r}"[:500], param=param if isinstance(param, str) else None)
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
     """OpenAI lets a body carry fields this server does not read (vLLM too); the ones it reads are
     typed strictly."""
 
@@ -64,11 +64,11 @@ class _Body(BaseModel):
 TokenIds = Annotated[list[int], Field(min_length=1)]
 
 
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class _Sampling(_Body):
+class _Sampling(RequestBody):
     """The fields completions and chat share (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
@@ -113,12 +113,12 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
 
-class TextPart(_Body):
+class TextPart(RequestBody):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     """One message; `name`, `tool_calls`, `tool_call_id` and the rest reach the chat template as given."""
 
     role: str
@@ -136,7 +136,7 @@ class ChatCompletionRequest(_Sampling):
     functions: list | None = None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
@@ -144,7 +144,7 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 

@@ -85,6 +85,16 @@ class Serving:
         """-> a response dict, or an async iterator of SSE lines when the request streams.
         RequestValidationError when the body does not fit its model (OpenAI's 400 naming the field)."""
         request = await self.off_loop((ChatCompletionRequest if chat else CompletionRequest).parse, body)
+        response, outputs = await self.submit(request)
+        if response.options.stream:
+            return response.events(outputs)
+        await self.collect(response, outputs)
+        return response.body()
+
+    async def submit(self, request: ChatCompletionRequest | CompletionRequest):
+        """Check a parsed request and queue its prompts -> (its ChoicesResponse, the merged outputs:
+        an async iterator of (prompt index, RequestOutput); closing it aborts the requests)."""
+        chat = isinstance(request, ChatCompletionRequest)
         options = protocol.read_options(request)
         lora = self.check_model(options.model)
         max_tokens = protocol.requested_max_tokens(request)
@@ -115,16 +125,20 @@ class Serving:
             raise busy(str(e)) from None
         except EngineDeadError as e:
             raise engine_dead(e) from None
-        if options.stream:
-            return response.events(_merge(streams))
+        return response, _merge(streams)
+
+    @staticmethod
+    async def collect(response: ChoicesResponse, outputs) -> None:
+        """Every output of a request that does not stream, into its response."""
         try:
-            async for i, out in _merge(streams):
+            async for i, out in outputs:
                 response.add(i, out)
         except ValueError as e:  # the engine refused the request when it was queued
             raise APIError(str(e)) from None
         except EngineDeadError as e:
             raise engine_dead(e) from None
-        return response.body()
+        finally:
+            await outputs.aclose()
 
     def _prepare(self, request, texts: list | None, max_tokens: int | None, params):
         """On the worker pool: the request's tools (chat), its prompts as token ids, each checked to
