@@ -28,6 +28,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 ORBAX_STATE = "state"
 # Tensors some checkpoints carry that the model recomputes (old HF Llama saved RoPE's table).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Multimodal checkpoints whose language model runs here, read from the config's `text_config`
+# (the vision tower's tensors are left unread): config.json's model_type -> the text model's. Gemma
+# 3 4B-27B (Gemma3ForConditionalGeneration): their text_config holds only what differs from
+# transformers' defaults; their eos and dtype are the top level's.
+LANGUAGE_MODELS = {"gemma3": "gemma3_text"}
+_TOP_LEVEL_FIELDS = ("torch_dtype", "dtype", "bos_token_id", "eos_token_id", "tie_word_embeddings")
+# Where such a checkpoint keeps its language model's tensors -> the text model's own prefix: as
+# published (and saved by transformers 4.50 and 5), and as transformers 4.52-4.57 saved them.
+_LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                            ("model.language_model.", "model."), ("lm_head.", "lm_head."))
 
 
 def read_config(path, *, dtype=None) -> LlamaConfig:
@@ -38,6 +48,10 @@ def read_config(path, *, dtype=None) -> LlamaConfig:
         raise FileNotFoundError(f"{file}: missing; a checkpoint directory needs an HF-style config.json")
     hf = json.loads(file.read_text())
     model_type = hf.get("model_type")
+    if model_type in LANGUAGE_MODELS:
+        model_type = LANGUAGE_MODELS[model_type]
+        hf = {**(hf.get("text_config") or {}), **{k: hf[k] for k in _TOP_LEVEL_FIELDS if k in hf},
+              "model_type": model_type}
     if model_type not in MODEL_REGISTRY:
         raise CheckpointError(f"{file}: unsupported model_type {model_type!r}; "
                               f"supported: {sorted(MODEL_REGISTRY)}")
@@ -63,19 +77,34 @@ def _hf_weight_files(path: Path) -> list[Path]:
     return shards
 
 
-def _check_tensors(files: list[Path], expected: dict[str, HFTensor], config_file: Path):
+def _language_model_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor name as its language model's own; None for another tower's."""
+    for prefix, own in _LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return own + name[len(prefix):]
+    return None
+
+
+def _tensor_names(file: Path, multimodal: bool) -> dict[str, str]:
+    """The file's tensor names that the model reads -> the text model's names for them."""
+    with safe_open(file, framework="numpy") as f:
+        names = {name: _language_model_name(name) if multimodal else name for name in f.keys()}
+    return {name: own for name, own in names.items() if own is not None}
+
+
+def _check_tensors(files: list[Path], expected: dict[str, HFTensor], config_file: Path, multimodal: bool):
     """Names and shapes from the headers alone, before any weight is read: fail fast and loudly."""
     seen = set()
     for file in files:
         with safe_open(file, framework="numpy") as f:
-            for name in sorted(f.keys()):
+            for stored, name in sorted(_tensor_names(file, multimodal).items()):
                 if name.endswith(_IGNORED_SUFFIXES) or (name not in expected and name == "lm_head.weight"):
                     continue  # a tied model's saved lm_head is the embedding again
                 if name not in expected:
-                    raise CheckpointError(f"{file}: unexpected tensor {name!r} for {config_file}")
-                found = tuple(f.get_slice(name).get_shape())
+                    raise CheckpointError(f"{file}: unexpected tensor {stored!r} for {config_file}")
+                found = tuple(f.get_slice(stored).get_shape())
                 if found != expected[name].shape:
-                    raise CheckpointError(f"{file}: tensor {name!r} has shape {found}, expected "
+                    raise CheckpointError(f"{file}: tensor {stored!r} has shape {found}, expected "
                                           f"{expected[name].shape} from {config_file}")
                 seen.add(name)
     missing = sorted(set(expected) - seen)
@@ -85,20 +114,23 @@ def _check_tensors(files: list[Path], expected: dict[str, HFTensor], config_file
 
 
 def load_hf(path, *, dtype=None) -> Llama:
-    """A Hugging Face safetensors Llama directory -> model, without torch."""
+    """A Hugging Face safetensors Llama directory -> model, without torch. A multimodal checkpoint
+    (LANGUAGE_MODELS) gives its language model."""
     path = Path(path)
     config = read_config(path, dtype=dtype)
+    multimodal = json.loads((path / "config.json").read_text()).get("model_type") in LANGUAGE_MODELS
     expected = MODEL_REGISTRY[config.model_type].hf_tensors(config)
     files = _hf_weight_files(path)
-    _check_tensors(files, expected, path / "config.json")
+    _check_tensors(files, expected, path / "config.json", multimodal)
     graphdef, state, shapes = abstract_model(config)
     buffers = jax.tree.map(lambda s: np.empty(s.shape, s.dtype), shapes)
     # framework="flax" because numpy has no bf16; pinned to the host so nothing visits the GPU.
     with jax.default_device(jax.local_devices(backend="cpu")[0]):
         for file in files:
             with safe_open(file, framework="flax") as f:
-                for name in sorted(set(f.keys()) & set(expected)):
-                    put_tensor(buffers, expected[name], np.asarray(f.get_tensor(name)))
+                for stored, name in sorted(_tensor_names(file, multimodal).items()):
+                    if name in expected:
+                        put_tensor(buffers, expected[name], np.asarray(f.get_tensor(stored)))
     nnx.replace_by_pure_dict(state, to_device(buffers))
     return nnx.merge(graphdef, state)
 

@@ -57,10 +57,10 @@ class Gemma2Config(LlamaConfig):
             raise ValueError(f"unsupported layer_types {unknown}: each layer is one of {LAYER_TYPES}")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
-        if not _positive(self.query_pre_attn_scalar):
+        if not positive(self.query_pre_attn_scalar):
             raise ValueError(f"query_pre_attn_scalar must be a positive number, got {self.query_pre_attn_scalar!r}")
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if getattr(self, name) is not None and not _positive(getattr(self, name)):
+            if getattr(self, name) is not None and not positive(getattr(self, name)):
                 raise ValueError(f"{name} must be a positive number or None, got {getattr(self, name)!r}")
 
     @property
@@ -78,16 +78,7 @@ class Gemma2Config(LlamaConfig):
     @classmethod
     def from_hf_config(cls, hf: dict, *, dtype=None) -> Gemma2Config:
         hf = {**_HF_DEFAULTS, **hf}
-        if hf["hidden_activation"] not in SUPPORTED_ACTIVATIONS:  # HF's Gemma 2 reads this, not hidden_act
-            raise ValueError(f"hidden_activation={hf['hidden_activation']!r} (gemma2) is not supported; "
-                             f"supported: {SUPPORTED_ACTIVATIONS}")
-        if hf.get("use_bidirectional_attention"):
-            raise ValueError("use_bidirectional_attention: true (gemma2) is not supported: the paged "
-                             "cache is causal")
-        fields = {name: hf[name] for name in ("query_pre_attn_scalar", "attn_logit_softcapping",
-                                              "final_logit_softcapping", "sliding_window")}
-        return cls(**hf_common_fields(hf, dtype), **fields, attention_bias=hf.get("attention_bias", False),
-                   layer_types=hf.get("layer_types"))
+        return cls(**hf_common_fields(hf, dtype), **gemma_fields(hf, "gemma2"), layer_types=hf.get("layer_types"))
 
     def to_hf_config(self) -> dict:
         hf = super().to_hf_config()
@@ -98,7 +89,19 @@ class Gemma2Config(LlamaConfig):
                 "final_logit_softcapping": self.final_logit_softcapping}
 
 
-def _positive(value) -> bool:
+def gemma_fields(hf: dict, model_type: str) -> dict:
+    """What Gemma 2 and 3 read alike from a config.json (with the family's defaults filled in)."""
+    if hf["hidden_activation"] not in SUPPORTED_ACTIVATIONS:  # HF's Gemma reads this, not hidden_act
+        raise ValueError(f"hidden_activation={hf['hidden_activation']!r} ({model_type}) is not supported; "
+                         f"supported: {SUPPORTED_ACTIVATIONS}")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(f"use_bidirectional_attention: true ({model_type}) is not supported: the paged "
+                         "cache is causal")
+    return {name: hf[name] for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                                        "sliding_window")} | {"attention_bias": hf.get("attention_bias", False)}
+
+
+def positive(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
@@ -131,7 +134,7 @@ class Gemma2(Llama):
         eps = self.config.rms_norm_eps
         with jax.named_scope("attention"):
             o, attn_state = self_attention(rms_norm_1p(x, w["attn_norm"], eps), w, cos, sin, attention,
-                                           attn_state, eps)
+                                           attn_state, eps, norm=rms_norm_1p)  # Gemma 3's q/k norms
             x = x + rms_norm_1p(o, w["post_attn_norm"], eps)
         with jax.named_scope("mlp"):
             h = gated_mlp(rms_norm_1p(x, w["mlp_norm"], eps), w, functools.partial(jax.nn.gelu, approximate=True))

@@ -23,6 +23,7 @@ from flax import nnx
 
 from models.errors import CheckpointError
 from models.gemma2 import Gemma2Config
+from models.gemma3 import Gemma3Config
 from models.gguf_file import field, open_gguf
 from models.gguf_tokenizer import gguf_tokenizer
 from models.llama import Llama
@@ -38,7 +39,11 @@ SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
                    Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
 # general.architecture -> models.llama's model_type (llama.cpp writes Llama 2, Mistral v0.1-0.3 and TinyLlama as
 # "llama" too, with a SentencePiece vocabulary: models.gguf_tokenizer builds either kind).
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text"}
+_GEMMA = {"gemma2": Gemma2Config, "gemma3": Gemma3Config}
+# llama.cpp's Gemma 27B models (by depth) scale scores by (hidden / heads) ** -1/2, not head_dim's.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa: a file does not carry it
 _PERMUTED_QK = ("llama",)
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -48,7 +53,7 @@ _LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "a
                 "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                 "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                 "ffn_down": "mlp.down_proj"}
-# Gemma 2's four norms a layer: llama.cpp's ffn_norm is the one before the MLP, which HF calls
+# Gemma 2's and 3's four norms a layer: llama.cpp's ffn_norm is the one before the MLP, which HF calls
 # pre_feedforward_layernorm there (post_attention_layernorm follows attention).
 _GEMMA2_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                        "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
@@ -62,7 +67,7 @@ def hf_name(name: str, model_type: str = "llama") -> str | None:
     """The Hugging Face tensor name of a GGUF one, None for a name llama.cpp uses and HF does not."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
-    layer_names = _GEMMA2_LAYER_NAMES if model_type == "gemma2" else _LAYER_NAMES
+    layer_names = _GEMMA2_LAYER_NAMES if model_type in ("gemma2", "gemma3_text") else _LAYER_NAMES
     parts = name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
@@ -96,7 +101,7 @@ def read_config(reader: gguf.GGUFReader, *, dtype=None) -> LlamaConfig:
         raise CheckpointError(f"{file}: a mixture of experts ({arch}.expert_count={get('expert_count')}) "
                               "is not supported")
     scaling = get("rope.scaling.type", "none")
-    if scaling != "none":
+    if scaling != "none" and (arch, scaling) != ("gemma3", "linear"):
         raise CheckpointError(f"{file}: scaled RoPE ({arch}.rope.scaling.type={scaling!r}) is not supported yet")
     hidden = get("embedding_length")
     head_dim = get("attention.key_length", hidden // heads)
@@ -115,22 +120,29 @@ def read_config(reader: gguf.GGUFReader, *, dtype=None) -> LlamaConfig:
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id", None),
         eos_token_id=field(reader, "tokenizer.ggml.eos_token_id", None),
         dtype=dtype or "float32", model_type=ARCHITECTURES[arch])
-    if arch == "gemma2":
-        config = Gemma2Config(**fields, **_gemma2_fields(get, hidden, heads, head_dim))
+    if arch in _GEMMA:
+        config = _GEMMA[arch](**fields, **_gemma_fields(arch, get, hidden, heads, head_dim))
     else:
         config = LlamaConfig(**fields)
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     return config if rope_freqs is None else _llama3_rope(config, dequantize(rope_freqs), file)
 
 
-def _gemma2_fields(get, hidden: int, heads: int, head_dim: int) -> dict:
-    """Gemma 2's own metadata. A file does not carry query_pre_attn_scalar: llama.cpp scales the
-    scores by head_dim ** -1/2, or (hidden / heads) ** -1/2 for the 46-layer 27B model, which is what
-    each released model's config.json says (256, 256 and 144)."""
+def _gemma_fields(arch: str, get, hidden: int, heads: int, head_dim: int) -> dict:
+    """Gemma 2's and 3's own metadata. A file does not carry query_pre_attn_scalar: llama.cpp scales
+    the scores by head_dim ** -1/2, or (hidden / heads) ** -1/2 for the 27B models (46 layers in
+    Gemma 2, 62 in Gemma 3), which is what each released model's config.json says (Gemma 2: 256,
+    256, 144; Gemma 3: 256 and 168). Gemma 3's sliding layers turn at llama.cpp's fixed base; its
+    global ones at rope.freq_base, slowed by a linear rope.scaling.factor (4B-27B)."""
     softcaps = {name: (None if get(name, None) is None else _decimal(get(name)))
                 for name in ("attn_logit_softcapping", "final_logit_softcapping")}
-    scalar = hidden // heads if get("block_count") == 46 else head_dim
-    return dict(sliding_window=get("attention.sliding_window"), query_pre_attn_scalar=scalar, **softcaps)
+    scalar = hidden // heads if get("block_count") == _GEMMA_27B_LAYERS[arch] else head_dim
+    fields = dict(sliding_window=get("attention.sliding_window"), query_pre_attn_scalar=scalar, **softcaps)
+    if arch == "gemma3":
+        linear = get("rope.scaling.type", "none") == "linear"
+        fields.update(rope_local_base_freq=GEMMA3_LOCAL_ROPE_BASE,
+                      rope_linear_factor=_decimal(get("rope.scaling.factor")) if linear else 1.0)
+    return fields
 
 
 def _llama3_rope(config: LlamaConfig, factors: np.ndarray, file) -> LlamaConfig:  # factors f32[head_dim // 2]
@@ -202,8 +214,8 @@ def load_gguf_model(path, *, dtype=None, reader=None) -> Llama:
     buffers = jax.tree.map(lambda s: np.empty(s.shape, s.dtype), shapes)
     for tensor, t, heads in plan:
         values = dequantize(tensor)
-        if config.model_type == "gemma2" and tensor.name.endswith("norm.weight"):
-            values = values - 1.0  # llama.cpp stores Gemma's (1 + w) scales; HF's models.gemma2 takes w
+        if config.model_type in ("gemma2", "gemma3_text") and tensor.name.endswith("norm.weight"):
+            values = values - 1.0  # llama.cpp stores Gemma's (1 + w) scales (q/k norms too); HF's take w
         put_tensor(buffers, t, unpermute_qk(values, heads) if heads else values)
     nnx.replace_by_pure_dict(state, to_device(buffers))
     return nnx.merge(graphdef, state)

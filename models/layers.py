@@ -23,6 +23,12 @@ def rope(x, cos, sin):  # x [..., heads, head_dim]; cos, sin f32[..., head_dim /
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def rope_tables(inv_freq, positions):  # f32[head_dim // 2] (a config's constant), i32[...]
+    """-> (cos, sin), each f32[..., head_dim // 2]: the angles of `positions` at each frequency."""
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
 def rms_norm(x, weight, eps):  # x [..., hidden]; weight [hidden]
     """Normalise in f32, scale in the model dtype (as HF's LlamaRMSNorm, so bf16 rounds alike)."""
     x32 = x.astype(jnp.float32)
@@ -81,16 +87,18 @@ def self_attention(
     attention,  # (q, k, v, attn_state) -> (out, attn_state)
     attn_state,  # the paged cache, or None for the dense path
     eps,
+    norm=None,  # the q/k norm, (x, w, eps) -> x: rms_norm, or Gemma's (1 + w) one
 ):
-    """q/k/v projections (with Qwen's biases, Qwen3's per-head q/k norms), RoPE, attention, the
-    output projection -> ([..., hidden_size], attn_state)."""
+    """q/k/v projections (with Qwen's biases, Qwen3's and Gemma 3's per-head q/k norms), RoPE,
+    attention, the output projection -> ([..., hidden_size], attn_state)."""
     q = project("...d,dhk->...hk", h, w, "wq")
     k = project("...d,dhk->...hk", h, w, "wk")
     v = project("...d,dhk->...hk", h, w, "wv")
     if "bq" in w:
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
     if "q_norm" in w:
-        q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
+        norm = norm or rms_norm
+        q, k = norm(q, w["q_norm"], eps), norm(k, w["k_norm"], eps)
     out, attn_state = attention(rope(q, cos, sin), rope(k, cos, sin), v, attn_state)
     o = project("...hk,hkd->...d", out, w, "wo")
     return (o + w["bo"] if "bo" in w else o), attn_state
@@ -125,7 +133,7 @@ HALF_ALGORITHMS = {jnp.dtype(jnp.bfloat16): jax.lax.DotAlgorithmPreset.BF16_BF16
 
 
 def scan_layers(
-    layer_fn,  # (x, w, attention, attn_state) -> (x, attn_state)
+    layer_fn,  # (x, w, attention, attn_state, window) -> (x, attn_state)
     x,  # [..., hidden_size]
     weights,  # dict name -> [num_layers, ...]: every layer's weights stacked
     windows,  # tuple of num_layers ints or None (global): each layer's static sliding window
@@ -145,7 +153,7 @@ def scan_layers(
 
     def run(x, state, w, layer, j):
         bound = functools.partial(attention, layer=layer, sliding_window=windows[j])
-        return layer_fn(x, w, bound, state)
+        return layer_fn(x, w, bound, state, windows[j])
 
     def step(carry, group):
         x, state = carry

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import (COMPILER_OPTIONS, HALF_ALGORITHMS, causal_attention, gated_mlp, rms_norm, scan_layers,
-                           self_attention)
+from models.layers import (COMPILER_OPTIONS, HALF_ALGORITHMS, causal_attention, gated_mlp, rms_norm, rope_tables,
+                           scan_layers, self_attention)
 from models.llama_config import (ARCHITECTURES, PRESETS, SUPPORTED_DTYPES, LlamaConfig, hf_common_fields, preset,
                                  rope_inv_freq)
 from models.lora import LoRAInputs
@@ -66,8 +66,8 @@ class LlamaLayers(nnx.Module):
         if c.attention_bias:
             self.bo = const(0.0, d)
         if c.qk_norm:
-            self.q_norm = const(1.0, c.head_dim)
-            self.k_norm = const(1.0, c.head_dim)
+            self.q_norm = const(self.norm_init, c.head_dim)
+            self.k_norm = const(self.norm_init, c.head_dim)
         self.w_gate = weight(d, f)
         self.w_up = weight(d, f)
         self.w_down = weight(f, d)
@@ -92,10 +92,12 @@ class Llama(nnx.Module):
         self.lm_head = None if config.tie_word_embeddings else nnx.Param(
             normal(rngs.params(), (config.hidden_size, config.vocab_size), dtype))
 
-    def _rope_tables(self, positions):  # i32[...] -> (f32[..., head_dim // 2], same)
-        inv_freq = jnp.asarray(rope_inv_freq(self.config))  # a constant of the config, built at trace time
-        angles = positions[..., None].astype(jnp.float32) * inv_freq
-        return jnp.cos(angles), jnp.sin(angles)
+    def rope_tables(self, positions):  # i32[...] -> (f32[..., head_dim // 2], same)
+        return rope_tables(rope_inv_freq(self.config), positions)
+
+    def layer_rope(self, tables, window: int | None):
+        """The RoPE tables of a layer with this sliding window (Gemma 3's differ by window)."""
+        return tables
 
     def embed_tokens(self, tokens):  # i32[...] -> [..., hidden_size]
         with jax.named_scope("embed"):
@@ -134,14 +136,14 @@ class Llama(nnx.Module):
         lora: LoRAInputs | None = None,  # adapters, the tokens' slots per token of x ([num_tokens, hidden])
     ):
         """The layer scan (models.layers.scan_layers) -> (x, attn_state)."""
-        cos, sin = self._rope_tables(positions)
+        tables = self.rope_tables(positions)
         weights = self.layers.arrays()
         if lora is not None:  # each layer's slots are scanned with its weights; the tokens' mask is shared
             weights, mask = {**weights, **lora.weights.layer_arrays()}, lora.mask(x.dtype)
 
-        def layer(x, w, attention, state):
+        def layer(x, w, attention, state, window):
             w = w if lora is None else {**w, "lora_mask": mask}
-            return self.decoder_layer(x, w, cos, sin, attention, state)
+            return self.decoder_layer(x, w, *self.layer_rope(tables, window), attention, state)
 
         return scan_layers(layer, x, weights, self.config.layer_windows, attention, attn_state)
 

@@ -195,11 +195,15 @@ def preset(name: str, **overrides) -> LlamaConfig:
     return LlamaConfig(**{**PRESETS[name], **overrides})
 
 
+def rope_frequencies(theta: float, head_dim: int) -> np.ndarray:  # f32[head_dim // 2]
+    """RoPE's unscaled frequencies: theta ** (-2i / head_dim)."""
+    return (1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)).astype(np.float32)
+
+
 def rope_inv_freq(config: LlamaConfig) -> np.ndarray:  # f32[head_dim // 2]
     """RoPE frequencies, with Llama 3.1's scaling: long wavelengths slowed by `factor`, short ones
     kept, a smooth blend between (Meta's llama-models `apply_scaling`, HF's `_compute_llama3_parameters`)."""
-    d = config.head_dim
-    inv_freq = 1.0 / config.rope_theta ** (np.arange(0, d, 2, dtype=np.float32) / d)
+    inv_freq = rope_frequencies(config.rope_theta, config.head_dim)
     if config.rope_scaling is None:
         return inv_freq.astype(np.float32)
     s = dict(config.rope_scaling)

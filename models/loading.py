@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 from models.gemma2 import Gemma2, Gemma2Config
+from models.gemma3 import Gemma3, Gemma3Config
 from models.llama import Llama
 from models.llama_config import ARCHITECTURES, LlamaConfig
 
@@ -55,7 +56,7 @@ def llama_hf_tensors(c: LlamaConfig, extra_per_layer=None) -> dict[str, HFTensor
 
 
 def gemma2_hf_tensors(c: Gemma2Config) -> dict[str, HFTensor]:
-    """Llama's tensors; HF's post_attention_layernorm follows attention here (it precedes the MLP in
+    """Gemma 2's and 3's (whose q_norm and k_norm come with qk_norm): Llama's tensors; HF's post_attention_layernorm follows attention here (it precedes the MLP in
     Llama), pre_feedforward_layernorm precedes the MLP, post_feedforward_layernorm follows it."""
     d = (c.hidden_size,)
     return llama_hf_tensors(c, {"post_attention_layernorm.weight": ("post_attn_norm", d, False),
@@ -71,7 +72,8 @@ class ModelSpec(NamedTuple):
 
 # config.json's model_type -> how to build and fill the model (vLLM's model registry, in small).
 MODEL_REGISTRY = {**{model_type: ModelSpec(LlamaConfig, Llama, llama_hf_tensors) for model_type in ARCHITECTURES},
-                  "gemma2": ModelSpec(Gemma2Config, Gemma2, gemma2_hf_tensors)}
+                  "gemma2": ModelSpec(Gemma2Config, Gemma2, gemma2_hf_tensors),
+                  "gemma3_text": ModelSpec(Gemma3Config, Gemma3, gemma2_hf_tensors)}
 
 
 def abstract_model(config: LlamaConfig):

@@ -16,8 +16,9 @@ def save_hf(tmp_path):
     def build(config: LlamaConfig, name="hf", *, seed=0, torch_dtype=None, max_shard_size=None):
         torch.manual_seed(seed)
         hf = config.to_hf_config()
-        # Gemma 2: eager attention, transformers' CPU implementation that soft-caps the scores.
-        attn = dict(attn_implementation="eager") if hf["model_type"] == "gemma2" else {}
+        # Gemma: eager attention, transformers' CPU implementation that soft-caps the scores (Gemma 2)
+        # and that transformers advises for Gemma 3.
+        attn = dict(attn_implementation="eager") if hf["model_type"].startswith("gemma") else {}
         hf_config = transformers.AutoConfig.for_model(**hf, **attn)
         model = getattr(transformers, hf["architectures"][0])(hf_config).eval()
         with torch.no_grad():

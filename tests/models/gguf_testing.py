@@ -19,7 +19,9 @@ from models.loading import MODEL_REGISTRY
 
 Q = gguf.GGMLQuantizationType
 _ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
-         "gemma2": gguf.MODEL_ARCH.GEMMA2}
+         "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3}
+GGUF_ARCH = {"gemma3_text": "gemma3"}  # our model_type -> general.architecture, where they differ
+GEMMAS = ("gemma2", "gemma3")
 
 
 def permute(weights: np.ndarray, n_head: int) -> np.ndarray:
@@ -56,7 +58,7 @@ def write_gguf(path, model, *, types=None, raw=None, metadata=None) -> dict[str,
     the model's tensor (gguf-py has no K-quant quantizer); `metadata`: extra keys as
     {key: (value, GGUFValueType[, the element type of an array])}."""
     c = model.config
-    arch = c.model_type
+    arch = GGUF_ARCH.get(c.model_type, c.model_type)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(c.num_layers)
     writer.add_context_length(c.max_position_embeddings)
@@ -71,13 +73,18 @@ def write_gguf(path, model, *, types=None, raw=None, metadata=None) -> dict[str,
         writer.add_bos_token_id(c.bos_token_id)
     if c.eos_token_id is not None:
         writer.add_eos_token_id(c.eos_token_id)
-    if c.head_dim != c.hidden_size // c.num_heads or arch == "gemma2":  # as the converter writes head_dim
+    if c.head_dim != c.hidden_size // c.num_heads or arch in GEMMAS:  # as the converter writes head_dim
         writer.add_key_length(c.head_dim)
         writer.add_value_length(c.head_dim)
     if arch == "gemma2":  # Gemma2Model.set_gguf_parameters
         writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
         writer.add_final_logit_softcapping(c.final_logit_softcapping)
         writer.add_sliding_window(c.sliding_window)
+    if arch == "gemma3":  # Gemma3Model.set_gguf_parameters
+        writer.add_sliding_window(c.sliding_window)
+        if c.rope_linear_factor != 1.0:
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(c.rope_linear_factor)
     for key, spec in (metadata or {}).items():
         writer.add_key_value(key, *spec)
     names = gguf.get_tensor_name_map(_ARCH[arch], c.num_layers)
@@ -87,7 +94,7 @@ def write_gguf(path, model, *, types=None, raw=None, metadata=None) -> dict[str,
     for hf, values in hf_state(model).items():
         base, suffix = hf.rsplit(".", 1)
         name = f"{names.get_name(base)}.{suffix}"
-        shift = arch == "gemma2" and hf.endswith("norm.weight")  # Gemma2Model.modify_tensors: w + 1
+        shift = arch in GEMMAS and hf.endswith("norm.weight")  # Gemma2/3Model.modify_tensors: w + 1
         values = values + np.float32(1) if shift else values
         if arch == "llama" and ".self_attn.q_proj." in hf:
             values = permute(values, c.num_heads)
@@ -171,7 +178,7 @@ def save_hf_dir(directory, config, gguf_values: dict[str, np.ndarray]):
     """A safetensors directory of `config` holding the values a GGUF file decodes to (HF layout): the
     reference the GGUF loader must reproduce."""
     directory.mkdir(parents=True, exist_ok=True)
-    names = gguf.get_tensor_name_map(_ARCH[config.model_type], config.num_layers)
+    names = gguf.get_tensor_name_map(_ARCH[GGUF_ARCH.get(config.model_type, config.model_type)], config.num_layers)
     tensors = {}
     for hf in MODEL_REGISTRY[config.model_type].hf_tensors(config):
         base, suffix = hf.rsplit(".", 1)

@@ -20,6 +20,11 @@ LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_
 MISTRAL_WINDOW = dict(model_type="mistral", sliding_window=12)
 GEMMA2 = dict(model_type="gemma2", num_layers=3, head_dim=32, sliding_window=16, query_pre_attn_scalar=24,
               attn_logit_softcapping=5.0, final_logit_softcapping=3.0, tie_word_embeddings=True)
+# Seven layers: transformers' default pattern makes the sixth global, and the seventh runs after the
+# scan of six; the two bases and the linear factor far apart, so that a layer given the other's
+# RoPE is seen.
+GEMMA3 = dict(model_type="gemma3_text", num_layers=7, head_dim=32, sliding_window=16, query_pre_attn_scalar=24,
+              rope_theta=10000.0, rope_local_base_freq=100.0, rope_linear_factor=8.0, tie_word_embeddings=True)
 
 
 def tiny_config(**overrides) -> LlamaConfig:

@@ -114,7 +114,7 @@ def test_missing_and_unexpected_tensors(save_hf):
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(model_type="gemma3"), "unsupported model_type 'gemma3'"),
+    (dict(model_type="gemma4"), "unsupported model_type 'gemma4'"),
     (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
      "unsupported rope_scaling type 'yarn'"),
 ])

@@ -1,5 +1,6 @@
-"""Qwen2, Qwen3, Mistral (with and without a sliding window) and Gemma 2 through `LLM(dir)` against
-transformers' own `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `MistralForCausalLM` and `Gemma2ForCausalLM`
+"""Qwen2, Qwen3, Mistral (with and without a sliding window), Gemma 2 and Gemma 3 through `LLM(dir)` against
+transformers' own `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `MistralForCausalLM`, `Gemma2ForCausalLM` and
+`Gemma3ForCausalLM`
 on checkpoints they saved: logits to f32 tolerance, greedy tokens exactly, with and without prefix
 caching and preemption, and through the Pallas kernels in interpret mode."""
 import json
@@ -8,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_testing import (GEMMA2, MISTRAL_WINDOW, dense_logits, hf_logits, max_rel_err, paged_prefill_logits,
+from model_testing import (GEMMA2, GEMMA3, MISTRAL_WINDOW, dense_logits, hf_logits, max_rel_err, paged_prefill_logits,
                            tiny_config)
 from models.checkpoint import load_model
 from paged_jax import LLM, SamplingParams
@@ -26,6 +27,7 @@ FAMILIES = {
     "mistral": dict(model_type="mistral", rope_theta=1e6),
     "mistral_window": dict(MISTRAL_WINDOW, rope_theta=1e6),
     "gemma2": GEMMA2,
+    "gemma3": GEMMA3,
 }
 NEW_TOKENS = 32
 rng = np.random.default_rng(0)
@@ -60,7 +62,7 @@ def test_logits_match_transformers(save_hf, family):
 
 
 # Null-window Mistral runs Llama's code path (its logits are checked above); its window runs here.
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral_window", "gemma2"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral_window", "gemma2", "gemma3"])
 def test_greedy_tokens_match_transformers(save_hf, family):
     directory, hf_model = save_hf(family_config(family))
     expected = hf_greedy(hf_model, PROMPTS)
@@ -87,7 +89,7 @@ def test_greedy_tokens_match_transformers(save_hf, family):
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("family", ["mistral_window", "gemma2"])
+@pytest.mark.parametrize("family", ["mistral_window", "gemma2", "gemma3"])
 def test_pallas_interpret_greedy_tokens_match_transformers(save_hf, family):
     """The Pallas kernels (run on CPU): prefill in chunks of 8 and decode, past the window."""
     directory, hf_model = save_hf(family_config(family))
@@ -97,6 +99,50 @@ def test_pallas_interpret_greedy_tokens_match_transformers(save_hf, family):
               num_decode_steps=4, attention_backend="pallas-interpret", log_stats=False)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     assert llm.generate([prompt], params)[0].outputs[0].token_ids == expected[0]
+
+
+def save_gemma3_multimodal(directory, text: dict, *, names_of_4_52: bool):
+    """A random `Gemma3ForConditionalGeneration` (tiny SigLIP tower) around the text model `text`,
+    saved by transformers (the published tensor names) or renamed as transformers 4.52-4.57 saved
+    them -> the torch model in f32."""
+    from safetensors.torch import load_file, save_file
+    import transformers
+
+    torch.manual_seed(0)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=255, boi_token_index=253, eoi_token_index=254,
+                                       attn_implementation="eager")
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # conftest.save_hf's weights: far from uniform attention
+        for name, p in model.named_parameters():
+            z = torch.randn(p.shape)
+            p.copy_(z / p.shape[1] ** 0.5 if p.ndim == 2 else 1 + 0.1 * z if "norm" in name else 0.1 * z)
+    model.save_pretrained(directory)
+    if names_of_4_52:
+        tensors = load_file(directory / "model.safetensors")
+        renamed = {("model." + k if k.startswith(("vision_tower.", "multi_modal_projector.")) else
+                    k.replace("language_model.model.", "model.language_model.")): v for k, v in tensors.items()}
+        assert any(k.startswith("model.language_model.layers.") for k in renamed)
+        save_file(renamed, directory / "model.safetensors", metadata={"format": "pt"})
+    return model
+
+
+@pytest.mark.parametrize("names_of_4_52", [False, True], ids=["published", "transformers_4_52"])
+def test_a_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path, names_of_4_52):
+    """Gemma 3 4B-27B are `Gemma3ForConditionalGeneration` directories: their language model loads
+    from text_config and its tensors (the vision tower's are left unread), and gives the multimodal
+    model's own text-only logits and greedy tokens."""
+    config = family_config("gemma3")
+    text = {k: v for k, v in config.to_hf_config().items() if k != "architectures"}
+    hf_model = save_gemma3_multimodal(tmp_path / "mm", text, names_of_4_52=names_of_4_52)
+    model = load_model(tmp_path / "mm")
+    assert model.config == config
+    expected = hf_logits(hf_model, PROMPTS[0])
+    assert max_rel_err(dense_logits(model, jnp.asarray(PROMPTS[0])[None])[0], expected) <= 1e-4
+    llm = LLM(str(tmp_path / "mm"), block_size=8, num_blocks=64, max_num_seqs=4, log_stats=False)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == hf_greedy(hf_model, PROMPTS[:2])
 
 
 def test_sliding_window_is_refused(save_hf):

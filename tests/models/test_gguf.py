@@ -125,17 +125,31 @@ def test_logits_match_transformers_reading_the_same_file(tmp_path, family):
     assert max_rel_err(actual, expected) <= 1e-5
 
 
-def test_a_gemma2_file_loads_to_the_model_it_was_written_from(tmp_path):
-    """Gemma 2 as llama.cpp writes it: each norm as its (1 + w) scale, the four norms of a layer under
-    llama.cpp's names, the soft caps and the window in the metadata. The file loads to a safetensors
-    copy of what it holds exactly (each norm w + 1 - 1 in f32) and to the model it came from within
-    that rounding, logits and greedy tokens through a window the prompt outgrows."""
-    config = tiny_config(vocab_size=256, model_type="gemma2", head_dim=32, query_pre_attn_scalar=32, sliding_window=8)
+# Gemma 3's sliding layers turn at llama.cpp's fixed base (a file does not carry it), its global
+# ones at the file's, slowed by the linear factor its 4B-27B files give.
+GEMMA_FILES = {"gemma2": dict(model_type="gemma2", query_pre_attn_scalar=32, sliding_window=8),
+               "gemma3": dict(model_type="gemma3_text", num_layers=7, query_pre_attn_scalar=32, sliding_window=8,
+                              rope_theta=1e6, rope_linear_factor=8.0)}
+
+
+@pytest.mark.parametrize("family, depth_27b", [("gemma2", 46), ("gemma3", 62)])
+def test_a_gemma_file_loads_to_the_model_it_was_written_from(tmp_path, family, depth_27b):
+    """Gemma 2 and 3 as llama.cpp writes them: each norm as its (1 + w) scale (Gemma 3's q and k norms
+    too), the four norms of a layer under llama.cpp's names, the soft caps, window and RoPE scaling in
+    the metadata. The file loads to a safetensors copy of what it holds exactly (each norm w + 1 - 1
+    in f32) and to the model it came from within that rounding, logits and greedy tokens through a
+    window the prompt outgrows."""
+    config = tiny_config(vocab_size=256, head_dim=32, **GEMMA_FILES[family])
     model = random_model(config)
     meant = write_gguf(tmp_path / "m.gguf", model)
     reader = G.open_gguf(tmp_path / "m.gguf")
-    stored = G.dequantize(next(t for t in reader.tensors if t.name == "blk.1.ffn_norm.weight"))
-    np.testing.assert_array_equal(stored, hf_state(model)["model.layers.1.pre_feedforward_layernorm.weight"] + 1)
+    stored = {t.name: t for t in reader.tensors}
+    hf = hf_state(model)
+    np.testing.assert_array_equal(G.dequantize(stored["blk.1.ffn_norm.weight"]),
+                                  hf["model.layers.1.pre_feedforward_layernorm.weight"] + 1)
+    if family == "gemma3":
+        np.testing.assert_array_equal(G.dequantize(stored["blk.1.attn_q_norm.weight"]),
+                                      hf["model.layers.1.self_attn.q_norm.weight"] + 1)
     loaded, copy = load_model(tmp_path / "m.gguf"), load_model(save_hf_dir(tmp_path / "ref", config, meant))
     assert loaded.config == model.config
     assert_same_params(pure(loaded), pure(copy))
@@ -145,9 +159,9 @@ def test_a_gemma2_file_loads_to_the_model_it_was_written_from(tmp_path):
     kw = dict(block_size=8, num_blocks=32, max_num_seqs=2, max_model_len=64, log_stats=False)
     greedy = [o.outputs[0].token_ids for o in LLM(str(tmp_path / "m.gguf"), **kw).generate(PROMPTS, GREEDY)]
     assert greedy == [o.outputs[0].token_ids for o in LLM(model, **kw).generate(PROMPTS, GREEDY)]
-    # The 27B (46 layers) scales scores by (hidden / heads) ** -1/2, the others by head_dim ** -1/2.
-    deep = random_model(tiny_config(vocab_size=256, model_type="gemma2", head_dim=32, query_pre_attn_scalar=16,
-                                    num_layers=46))
+    # The 27B scales scores by (hidden / heads) ** -1/2, the others by head_dim ** -1/2.
+    deep = random_model(tiny_config(vocab_size=256, head_dim=32, **{
+        **GEMMA_FILES[family], "query_pre_attn_scalar": 16, "num_layers": depth_27b}))
     write_gguf(tmp_path / "d.gguf", deep)
     assert G.read_config(G.open_gguf(tmp_path / "d.gguf")) == deep.config
 
@@ -210,7 +224,7 @@ def test_unsupported_files_are_refused_by_name(tmp_path):
     # The same bytes under another architecture (every "llama" of the keys renamed with it).
     (tmp_path / "g.gguf").write_bytes(data.replace(b"llama", b"gemma"))
     with pytest.raises(ValueError, match=r"GGUF architecture 'gemma' is not supported; "
-                                         r"supported: \['gemma2', 'llama', 'qwen2', 'qwen3'\]"):
+                                         r"supported: \['gemma2', 'gemma3', 'llama', 'qwen2', 'qwen3'\]"):
         LLM(str(tmp_path / "g.gguf"), num_blocks=16, log_stats=False)
     (tmp_path / "x.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(CheckpointError, match=r"x\.gguf: not a GGUF file"):
