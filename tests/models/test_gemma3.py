@@ -122,4 +122,5 @@ def scan_shape(num_layers):
 
 def test_groups_of_six_layers_scan_and_the_program_does_not_grow_with_depth():
     assert scan_shape(6)[0] == 1 and scan_shape(6) == scan_shape(24)
-    assert scan_shape(7)[0] == 1 and scan_shape(7) == scan_shape(13) and scan_shape(7)[1] > scan_shape(6)[1]
+    # Layers left over (Gemma 3 1B: 26 = 4 x 6 + 2) loop on their own: no static slice of a weight stack.
+    assert scan_shape(26)[0] == 2 and scan_shape(26) == scan_shape(8) and scan_shape(7)[0] == 2

@@ -40,7 +40,8 @@ def parameter_count(model):
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     head_dim = hf.get("head_dim") or hidden // heads
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
-    norms = {"llama": 2 * hidden, "qwen3": 2 * hidden + 2 * head_dim, "gemma2": 4 * hidden}[hf["model_type"]]
+    norms = {"llama": 2 * hidden, "qwen3": 2 * hidden + 2 * head_dim, "gemma2": 4 * hidden,
+             "gemma3_text": 4 * hidden + 2 * head_dim}[hf["model_type"]]
     per_layer = attention + 3 * hidden * inter + norms
     return vocab * hidden * (1 if hf.get("tie_word_embeddings", True) else 2) + hidden \
         + layers * per_layer
@@ -156,12 +157,15 @@ def test_one_row_decode_on_hopper_transposes_no_weights(tmp_path):
     check_sized_as_vllm(figures, "h100", "llama-3.1-8b")
 
 
-# Gemma 2's layers run in sliding/global pairs, two layers a loop step: in its largest prefill XLA
-# fuses the pair's two slices of an MLP weight into one loop fusion that writes them (the
-# dynamic-slice fusion then cannot read them in place); 8192 tokens a step are compute-bound.
+# Gemma 2's layers run in sliding/global pairs, two layers a loop step (Gemma 3's in sixes): in their
+# largest prefill XLA fuses the group's slices of an MLP weight into one loop fusion that writes them
+# (the dynamic-slice fusion then cannot read them in place); 8192 tokens a step are compute-bound.
+# Their decode programs read every slice in place, Gemma 3 1B's two layers past the sixes included.
+GEMMA3_COPYING = ("prefill T=8192 B=256 W=2048",)
 @pytest.mark.parametrize("gpu,model,backend,copying", [
     ("h100", "smollm2-135m-instruct", MOSAIC, ()), pytest.param("a100", "qwen3-0.6b", "pallas", (), marks=TRITON),
-    ("h200", "gemma-2-2b", MOSAIC, ("prefill T=8192 B=256 W=512",))])  # head_dim 64, 128, 256
+    ("h200", "gemma-2-2b", MOSAIC, ("prefill T=8192 B=256 W=512",)),  # head_dim 64, 128, 256
+    ("h100", "gemma-3-1b-it", MOSAIC, GEMMA3_COPYING)])  # six layers a loop step, one KV head
 def test_other_families_compile_and_fit(tmp_path, gpu, model, backend, copying):
     status, figures, err = compile_for_gpu(tmp_path, gpu, model, "--programs", "largest")
     assert status == 0, err[-3000:]

@@ -1,7 +1,7 @@
 """The engine's compiled steps at real models' sizes move neither the KV pages nor the weights.
 
 For each family's published configuration (tests/data/configs: SmolLM2-135M, Llama-3.2-1B,
-Qwen2.5-0.5B, Qwen3-0.6B, Mistral-7B with its 4096 window, Gemma-2-2B), weights abstract so nothing
+Qwen2.5-0.5B, Qwen3-0.6B, Mistral-7B with its 4096 window, Gemma-2-2B, Gemma-3-1B), weights abstract so nothing
 is allocated, a cache of the engine's CPU defaults (16 sequences of up to 512 tokens), the
 optimized program of a decode call (greedy and sampled), and of a prefill bucket, through the
 attention backend the engine picks on CPU ("reference"), with pages in the model dtype or int8:
@@ -15,8 +15,8 @@ write XLA turned into a dynamic-update-slice and recomputed inside the attention
 With int8 weights (quantization="int8", INT8_CASES), no convert of a whole weight stack or LM head
 to f32 either: each is widened where a product reads a slice of it.
 
-Each compile takes 5-20 s on a loaded 2-core machine: CI runs CASES and INT8_CASES (12 compiles);
-`-m slow` runs the rest of the matrix (SWEEP, 63 compiles). bf16 fails on CPU today (BF16_ON_CPU). "pallas-interpret" is not in the matrix:
+Each compile takes 5-20 s on a loaded 2-core machine: CI runs CASES and INT8_CASES (13 compiles);
+`-m slow` runs the rest of the matrix (SWEEP, 74 compiles). bf16 fails on CPU today (BF16_ON_CPU). "pallas-interpret" is not in the matrix:
 jax's Pallas interpreter materialises each kernel's blocks (for the paged kernels, a KV head's whole
 page array per grid step) by design; it is a simulator for kernel tests, not a serving path."""
 import itertools
@@ -28,11 +28,13 @@ import pytest
 from flax import nnx
 
 from models.checkpoint import MODEL_REGISTRY
+from models.layers import window_period
 from models.quantize import quantize
 from paged_jax.worker import hlo_audit, programs
 
 CONFIGS = Path(__file__).parent.parent / "data" / "configs"
-MODELS = ("smollm2-135m-instruct", "llama-3.2-1b", "qwen2.5-0.5b", "qwen3-0.6b", "mistral-7b-v0.1", "gemma-2-2b")
+MODELS = ("smollm2-135m-instruct", "llama-3.2-1b", "qwen2.5-0.5b", "qwen3-0.6b", "mistral-7b-v0.1", "gemma-2-2b",
+          "gemma-3-1b-it")
 # The engine's CPU defaults: 16 sequences of up to 4096 tokens (a pool as large as they could use,
 # grown where a model's one page array would not outweigh the batch bound, see `check`).
 SIZING = dict(block_size=16, max_num_seqs=16, max_model_len=4096)
@@ -54,6 +56,7 @@ CASES = [("smollm2-135m-instruct", "float32", "auto", "decode-greedy"),
          ("qwen3-0.6b", "float32", "int8", "prefill"),
          ("mistral-7b-v0.1", "float32", "auto", "decode-greedy"),
          ("gemma-2-2b", "float32", "int8", "prefill"),
+         ("gemma-3-1b-it", "float32", "auto", "decode-sampled"),
          ("qwen2.5-0.5b", "bfloat16", "int8", "decode-greedy")]
 SWEEP = [case for case in itertools.product(MODELS, ("float32", "bfloat16"), ("auto", "int8"), PROGRAMS)
          if case not in CASES]
@@ -87,7 +90,7 @@ def nbytes(tree) -> int:
 def batch_bound(config, program) -> int:
     """Temp bytes a step may use: what its batch needs, in f32, with room for XLA's copies of it.
     - each layer's weights, sliced out of the stack by the layer scan (XLA:CPU's dot reads a whole
-      buffer), for the layers one scan step runs (Gemma 2: a sliding and a global one);
+      buffer), for the layers one scan step runs (Gemma 2: a sliding and a global one; Gemma 3: six);
     - per token: its activations (residual, q/k/v, attention output, the MLP's gate and up), and the
       keys and values the attention gathers for it (up to CHUNK_BLOCKS blocks at a time), twice
       (gathered, then laid out for the dot);
@@ -98,7 +101,7 @@ def batch_bound(config, program) -> int:
     itemsize = 2 if c.dtype == "bfloat16" else 4
     layer = (2 * c.hidden_size * (c.num_heads + c.num_kv_heads) * c.head_dim
              + 3 * c.hidden_size * c.intermediate_size) * itemsize
-    period = 1 if len(set(c.layer_windows)) == 1 else 2
+    period = window_period(c.layer_windows)
     activations = 4 * (2 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 2 * c.intermediate_size)
     gathered = 4 * 2 * c.num_kv_heads * c.head_dim * min(width, CHUNK_BLOCKS) * SIZING["block_size"]
     return 4 * MIB + period * layer + tokens * (activations + 2 * gathered) + rows * 8 * 4 * c.vocab_size
