@@ -24,7 +24,7 @@ from flax import nnx
 from models.errors import CheckpointError
 from models.gemma2 import Gemma2Config
 from models.gemma3 import Gemma3Config
-from models.gguf_file import field, open_gguf
+from models.gguf_file import GGUFFile, GGUFTensor, field, open_gguf
 from models.gguf_tokenizer import gguf_tokenizer
 from models.llama import Llama
 from models.llama_config import LlamaConfig, rope_inv_freq
@@ -80,10 +80,10 @@ def _decimal(value: float) -> float:
     return float(np.format_float_positional(np.float32(value), unique=True))
 
 
-def read_config(reader: gguf.GGUFReader, *, dtype=None) -> LlamaConfig:
+def read_config(reader: GGUFFile, *, dtype=None) -> LlamaConfig:
     """The file's metadata as our config; `dtype` (None: float32, what every type dequantizes to
     exactly) is the compute dtype."""
-    file = reader.data.filename
+    file = reader.path
     arch = field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{file}: GGUF architecture {arch!r} is not supported; "
@@ -155,14 +155,14 @@ def _llama3_rope(config: LlamaConfig, factors: np.ndarray, file) -> LlamaConfig:
     return scaled
 
 
-def dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:  # -> f32 in HF's shape (the ggml dims reversed)
+def dequantize(tensor: GGUFTensor) -> np.ndarray:  # -> f32 in HF's shape (the ggml dims reversed)
     """A tensor of the file as f32 values (every supported type is exact in f32); ValueError naming the
     tensor and its type for any other."""
     if tensor.tensor_type not in SUPPORTED_TYPES:
         raise ValueError(f"tensor {tensor.name!r} has type {tensor.tensor_type.name}, which is not supported; "
                          f"supported: {', '.join(t.name for t in SUPPORTED_TYPES)}")
     values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    return np.asarray(values, np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
+    return np.asarray(values, np.float32).reshape(tensor.shape)
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:  # [num_heads * head_dim, ...] -> same
@@ -173,10 +173,10 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:  # [num_heads * h
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _plan(reader, config: LlamaConfig) -> list[tuple[gguf.ReaderTensor, HFTensor, int | None]]:
+def _plan(reader: GGUFFile, config: LlamaConfig) -> list[tuple[GGUFTensor, HFTensor, int | None]]:
     """(tensor, where it goes, heads to un-permute or None) for every tensor, from the header alone:
     names, shapes and types are checked before any weight is read."""
-    file = reader.data.filename
+    file = reader.path
     expected = MODEL_REGISTRY[config.model_type].hf_tensors(config)
     permuted = config.model_type in _PERMUTED_QK
     plan, seen = [], set()
@@ -186,7 +186,7 @@ def _plan(reader, config: LlamaConfig) -> list[tuple[gguf.ReaderTensor, HFTensor
         name = hf_name(tensor.name, config.model_type)
         if name not in expected:
             raise CheckpointError(f"{file}: unexpected tensor {tensor.name!r} for a {config.model_type} of this config")
-        shape = tuple(reversed(tensor.shape.tolist()))
+        shape = tensor.shape
         if shape != expected[name].shape:
             raise CheckpointError(f"{file}: tensor {tensor.name!r} has shape {shape}, expected "
                                   f"{expected[name].shape} from the file's metadata")
@@ -222,7 +222,6 @@ def load_gguf_model(path, *, dtype=None, reader=None) -> Llama:
 
 
 def load_gguf(path, *, dtype=None):
-    """(model, tokenizer or None) from one GGUF file, its metadata parsed once for both (parsing a
-    49k-token vocabulary is seconds of gguf-py's time)."""
+    """(model, tokenizer or None) from one GGUF file, its metadata parsed once for both."""
     reader = open_gguf(path)
     return load_gguf_model(path, dtype=dtype, reader=reader), gguf_tokenizer(reader)

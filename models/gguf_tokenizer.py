@@ -25,7 +25,7 @@ import gguf
 import tokenizers
 from tokenizers import decoders, pre_tokenizers, processors
 
-from models.gguf_file import field
+from models.gguf_file import GGUFFile, field
 from models.tokenizer_base import Tokenizer
 
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -137,12 +137,12 @@ def _post_processor(tokens, bos: int | None, eos: int | None, add_bos: bool, add
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=list(special.items()))
 
 
-def gguf_tokenizer(reader: gguf.GGUFReader) -> Tokenizer | None:
+def gguf_tokenizer(reader: GGUFFile) -> Tokenizer | None:
     """The tokenizer the file's metadata describes, None when it has none (token-id prompts only)."""
     kind = field(reader, "tokenizer.ggml.model", None)
     if kind is None:
         return None
-    file, arch = reader.data.filename, field(reader, "general.architecture", None)
+    file, arch = reader.path, field(reader, "general.architecture", None)
     if kind not in SUPPORTED_MODELS:
         raise ValueError(f"{file}: tokenizer.ggml.model {kind!r} is not supported "
                          f"(supported: {list(SUPPORTED_MODELS)})")

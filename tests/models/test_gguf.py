@@ -217,6 +217,24 @@ def test_an_unsupported_type_in_a_model_file_fails_before_any_weight_is_read(tmp
         LLM(str(tmp_path / "m.gguf"), num_blocks=16, log_stats=False)
 
 
+def test_a_cut_or_foreign_file_is_refused_naming_it(tmp_path):
+    model = random_model(tiny_config(vocab_size=256))
+    write_gguf(tmp_path / "m.gguf", model)
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "header.gguf").write_bytes(data[:200])  # cut inside the metadata
+    with pytest.raises(CheckpointError, match=r"header\.gguf: not a readable GGUF file \("):
+        load_model(tmp_path / "header.gguf")
+    (tmp_path / "data.gguf").write_bytes(data[:-100])  # cut inside the last tensor
+    with pytest.raises(CheckpointError, match=r"data\.gguf: tensor '.*' runs past the end of the file"):
+        load_model(tmp_path / "data.gguf")
+    (tmp_path / "v1.gguf").write_bytes(data[:4] + (1).to_bytes(4, "little") + data[8:])
+    with pytest.raises(CheckpointError, match=r"v1\.gguf: GGUF version 1 is not supported \(2 and 3 are\)$"):
+        load_model(tmp_path / "v1.gguf")
+    (tmp_path / "be.gguf").write_bytes(data[:4] + (3).to_bytes(4, "big") + data[8:])
+    with pytest.raises(CheckpointError, match=r"version 50331648 is not supported .*; a big-endian file"):
+        load_model(tmp_path / "be.gguf")
+
+
 def test_unsupported_files_are_refused_by_name(tmp_path):
     model = random_model(tiny_config(vocab_size=256))
     write_gguf(tmp_path / "m.gguf", model)

@@ -60,6 +60,21 @@ def test_config_and_special_tokens_from_the_metadata(smollm2):
     assert tokenizer.encode("The capital of France is") == [504, 3575, 282, 4649, 314]
 
 
+def test_the_file_parses_as_gguf_py_parses_it(smollm2_gguf):
+    """models.gguf_file against gguf-py's GGUFReader on the real file: every metadata value, every
+    tensor's name, type, shape and bytes."""
+    import numpy as np
+
+    ours, theirs = open_gguf(smollm2_gguf), gguf.GGUFReader(smollm2_gguf)
+    assert ours.metadata == {key: f.contents() for key, f in theirs.fields.items() if not key.startswith("GGUF.")}
+    assert len(ours.metadata["tokenizer.ggml.tokens"]) == 49152 and len(ours.metadata["tokenizer.ggml.merges"]) == 48900
+    assert [(t.name, t.tensor_type, t.shape) for t in ours.tensors] == [
+        (t.name, t.tensor_type, tuple(reversed(t.shape.tolist()))) for t in theirs.tensors]
+    for mine, reference in zip(ours.tensors, theirs.tensors):
+        assert mine.data.dtype == reference.data.dtype and mine.data.shape == reference.data.shape
+        np.testing.assert_array_equal(mine.data, reference.data)
+
+
 def test_every_text_decodes_back_to_itself(smollm2):
     tokenizer = smollm2[1]
     for text in TEXTS:
@@ -85,7 +100,7 @@ def test_bos_special_tokens_and_the_llama3_split_match_transformers(tmp_path, sm
     split regex: among other things, punctuation takes the line breaks after it), and token types
     all NORMAL but one CONTROL and one USER_DEFINED (the named bos/eos/unk tokens stay special)."""
     transformers = pytest.importorskip("transformers")
-    source = open_gguf(smollm2_gguf)
+    source = gguf.GGUFReader(smollm2_gguf)
     writer = gguf.GGUFWriter(str(tmp_path / "tok.gguf"), "llama")
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",
                 "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id", "tokenizer.chat_template"):
@@ -108,7 +123,7 @@ def test_bos_special_tokens_and_the_llama3_split_match_transformers(tmp_path, sm
     assert ours.encode("<|endoftext|><repo_name><file_sep><gh_stars>") == [1, 0, 44, 22139, 79, 1245, 46, 5, 7]
     # "!!!" then "\n\n" as one piece under Llama 3's split, two "\n" under GPT-2's (SmolLM's own).
     assert ours.encode("hello!!!\n\nworld") == [1, 28120, 29646, 1116, 6693]
-    assert gguf_tokenizer(source).encode("hello!!!\n\nworld") == [28120, 29646, 198, 198, 6693]
+    assert gguf_tokenizer(open_gguf(smollm2_gguf)).encode("hello!!!\n\nworld") == [28120, 29646, 198, 198, 6693]
 
 
 def test_the_capital_of_france_is_paris(answers):
