@@ -53,10 +53,11 @@ def validate_tools(tools) -> list[dict]:
     return out
 
 
-def required_schema(tools: list[dict]) -> dict:
-    """The array schema of tool_choice="required" over validated tools. Each tool's $defs move to
-    the root, where the "#/$defs/..." references inside its parameters now resolve (as vLLM does);
-    two tools defining one name differently is a ValueError."""
+def required_schema(tools: list[dict], *, parallel: bool = True) -> dict:
+    """The array schema of tool_choice="required" over validated tools: one call or more, exactly
+    one when not `parallel` (OpenAI's parallel_tool_calls false). Each tool's $defs move to the root,
+    where the "#/$defs/..." references inside its parameters now resolve (as vLLM does); two tools
+    defining one name differently is a ValueError."""
     defs: dict[str, dict] = {}
     alternatives = []
     for i, tool in enumerate(tools):
@@ -69,7 +70,8 @@ def required_schema(tools: list[dict]) -> dict:
         alternatives.append({"properties": {"name": {"type": "string", "enum": [tool["name"]]},
                                             "parameters": parameters},
                              "required": ["name", "parameters"]})
-    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": alternatives}}
+    schema = {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}),
+              "items": {"type": "object", "anyOf": alternatives}}
     return {**schema, **defs}
 
 
@@ -96,8 +98,9 @@ def _check_parameters(tools: list[dict], names) -> None:
                 raise ValueError(f"tools[{i}].function.parameters: {str(e).partition(': ')[2]}") from None
 
 
-def tool_choice_structured_outputs(tools, tool_choice) -> StructuredOutputsParams | None:
-    """The structured output that enforces `tool_choice`, or None for "auto" / "none" / absent.
+def tool_choice_structured_outputs(tools, tool_choice, *, parallel: bool = True) -> StructuredOutputsParams | None:
+    """The structured output that enforces `tool_choice` (a single call when not `parallel`), or
+    None for "auto" / "none" / absent.
     The schemas of the tools it may call are checked here, so an error names the tool. Calls are
     compact JSON (no free whitespace): a program reads them, and a small model left free to pad
     them can spend its whole max_tokens on whitespace."""
@@ -106,7 +109,7 @@ def tool_choice_structured_outputs(tools, tool_choice) -> StructuredOutputsParam
     if tool_choice == "required":
         tools = validate_tools(tools)
         _check_parameters(tools, {t["name"] for t in tools})
-        return StructuredOutputsParams(json=required_schema(tools), disable_any_whitespace=True)
+        return StructuredOutputsParams(json=required_schema(tools, parallel=parallel), disable_any_whitespace=True)
     if isinstance(tool_choice, dict):
         tools = validate_tools(tools)
         tool = _named_function(tool_choice, tools)

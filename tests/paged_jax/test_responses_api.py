@@ -159,6 +159,23 @@ def test_function_calls_are_items_streamed_and_not(server, client, tool_choice):
     assert got[-1]["response"]["output"] == [got[-2]["item"]]
 
 
+def test_parallel_tool_calls_false_makes_one_call_as_chat_does(client):
+    """The same request with parallel_tool_calls false: the first of the two calls only (the
+    grammar allows one), as the chat endpoint gives for the same flag."""
+    ping = {"type": "function", "name": "ping"}
+    kwargs = dict(input="ping", tools=[WEATHER, ping], tool_choice="required", max_output_tokens=64, temperature=0.0)
+    many = client.responses.create(**kwargs)
+    one = client.responses.create(**kwargs, parallel_tool_calls=False)
+    assert len(many.output) == 2 and one.parallel_tool_calls is False
+    assert [(i.name, i.arguments) for i in one.output] == [(many.output[0].name, many.output[0].arguments)]
+    chat = client.chat.completions.create(
+        model="embedded", messages=[{"role": "user", "content": "ping"}], max_tokens=64, temperature=0.0,
+        tools=[CHAT_WEATHER, {"type": "function", "function": {"name": "ping"}}], tool_choice="required",
+        parallel_tool_calls=False)
+    assert [(c.function.name, c.function.arguments) for c in chat.choices[0].message.tool_calls] == [
+        (one.output[0].name, one.output[0].arguments)]
+
+
 def test_previous_response_id_continues_the_conversation_and_its_calls(server, client):
     first = client.responses.create(input="fib", instructions="Be brief.", max_output_tokens=6, temperature=0.0)
     second = client.responses.create(input="more", instructions="Be kind.", previous_response_id=first.id,

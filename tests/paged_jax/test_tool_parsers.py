@@ -247,3 +247,26 @@ def test_constrained_output_back_to_calls():
 def test_bad_tools_name_the_field(tools, choice, message):
     with pytest.raises(ValueError, match=message):
         tool_grammar.tool_choice_structured_outputs(tools, choice)
+
+
+def test_parallel_tool_calls_false_makes_one_call():
+    """OpenAI's parallel_tool_calls false: "required" is a grammar for exactly one call; "auto"
+    keeps the model's first, whole and streamed (vLLM's filter), with the text around it."""
+    from paged_jax.entrypoints.openai.tool_calling import ToolCalling
+
+    schema = tool_grammar.required_schema(tool_grammar.validate_tools([WEATHER_TOOL, PING_TOOL]), parallel=False)
+    assert schema["maxItems"] == 1 and schema["minItems"] == 1
+    jsonschema.validate([{"name": "ping", "parameters": {}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "ping", "parameters": {}}, {"name": "ping", "parameters": {}}], schema)
+    assert "maxItems" not in tool_grammar.required_schema(tool_grammar.validate_tools([PING_TOOL]))
+    text = ('Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+            '<tool_call>{"name": "ping", "arguments": {}}</tool_call>')
+    for parallel, names in ((True, ["get_weather", "ping"]), (False, ["get_weather"])):
+        tools = ToolCalling([WEATHER_TOOL, PING_TOOL], "auto", get_tool_parser("hermes"), parallel=parallel)
+        content, calls = tools.message(text)
+        assert (content, [c["function"]["name"] for c in calls]) == ("Sure.", names)
+        s = tools.stream()
+        deltas = [d for i in range(len(text)) for d in s.feed(text[i])] + s.finish()
+        content, streamed = fold_deltas(deltas)
+        assert (content.strip(), [c.name for c in streamed]) == ("Sure.", names) and s.made_calls

@@ -133,6 +133,7 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None  # OpenAI's default: true
     functions: list | None = None
 
 

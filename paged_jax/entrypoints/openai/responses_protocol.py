@@ -169,6 +169,7 @@ def chat_request(request: ResponsesRequest, messages: list[dict]) -> ChatComplet
     if LOGPROBS_INCLUDE in (request.include or ()):
         body.update(logprobs=True, top_logprobs=request.top_logprobs or 0)
     if request.tools:
+        body["parallel_tool_calls"] = request.parallel_tool_calls
         body["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
                          for tool in request.tools]
         choice = request.tool_choice

@@ -8,7 +8,8 @@ of decoding and of the response.
     named        a grammar makes the output the named function's arguments object
 
 A message with calls has `tool_calls` (ids "chatcmpl-tool-...", as vLLM's), no content unless the model wrote some
-beside them, and finish_reason "tool_calls". Streamed, "auto" sends OpenAI's deltas as the parser
+beside them, and finish_reason "tool_calls". With `parallel_tool_calls` false a message has one call
+at most: "required" is a grammar for exactly one, "auto" keeps the model's first (vLLM's filter). Streamed, "auto" sends OpenAI's deltas as the parser
 finds the calls, a named function its arguments as they are written, "required" its calls once the
 array is complete (its end is only known then).
 """
@@ -23,10 +24,11 @@ from paged_jax.structured_output.tool_parsers import ToolParser
 
 
 class ToolCalling:
-    def __init__(self, tools: list[dict], tool_choice, parser: ToolParser | None):
-        self.tools, self.tool_choice, self.parser = tools, tool_choice, parser
+    def __init__(self, tools: list[dict], tool_choice, parser: ToolParser | None, *, parallel: bool = True):
+        self.tools, self.tool_choice, self.parser, self.parallel = tools, tool_choice, parser, parallel
         try:
-            self.structured_outputs = tool_grammar.tool_choice_structured_outputs(tools, tool_choice)
+            self.structured_outputs = tool_grammar.tool_choice_structured_outputs(tools, tool_choice,
+                                                                                 parallel=parallel)
         except ValueError as e:  # "tools[1].function.parameters: ..." or "tool_choice.function.name: ..."
             raise APIError(str(e), param=str(e).split(".", 1)[0].split(":", 1)[0].split("[", 1)[0]) from None
 
@@ -46,7 +48,7 @@ class ToolCalling:
         if tool_choice == "auto" and not (auto and parser is not None):
             raise APIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                            "to be set", param="tool_choice")
-        return cls(tools, tool_choice, parser)
+        return cls(tools, tool_choice, parser, parallel=request.parallel_tool_calls is not False)
 
     @property
     def calls_tools(self) -> bool:
@@ -60,7 +62,7 @@ class ToolCalling:
             content, calls = self.parser.extract(text)
         else:
             content, calls = tool_grammar.parse_tool_choice_output(text, self.tool_choice)
-        return content, [c.to_openai() for c in calls]
+        return content, [c.to_openai() for c in calls[:None if self.parallel else 1]]
 
     def stream(self) -> ChoiceStream:
         return ChoiceStream(self)
@@ -71,7 +73,7 @@ class ChoiceStream:
     returns OpenAI delta dicts ({"content": ...} or {"tool_calls": [...]})."""
 
     def __init__(self, tools: ToolCalling):
-        self.mode = tools.tool_choice
+        self.mode, self.parallel = tools.tool_choice, tools.parallel
         self.parser_stream = tools.parser.stream() if self.mode == "auto" else None
         self.named = CallDeltas(0, ()) if isinstance(self.mode, dict) else None
         self.text = ""
@@ -98,6 +100,8 @@ class ChoiceStream:
         return self._seen([d for i, c in enumerate(calls) for d in CallDeltas(i, ()).complete(c.name, c.arguments)])
 
     def _seen(self, deltas: list[dict]) -> list[dict]:
+        if not self.parallel:  # the first call's deltas only (index 0)
+            deltas = [d for d in deltas if all(c.get("index") == 0 for c in d.get("tool_calls", ()))]
         self.made_calls = self.made_calls or any("tool_calls" in d for d in deltas)
         return deltas
 
