@@ -19,7 +19,9 @@ _HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "bfloat16
 # config.json's model_types built from these blocks -> HF architecture. What a family changes that
 # its config.json does not state (shared/notes/model-families.md) is derived from model_type below.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mistral": "MistralForCausalLM"}
+                 "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}
+# The families whose config.json's sliding_window is the window of every layer (Phi-3-mini-4k: 2047).
+WINDOWED = ("mistral", "phi3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +83,8 @@ class LlamaConfig:
     def _check_family(self):
         # HF's Llama and Qwen classes ignore a sliding_window (Qwen2's use_sliding_window is refused
         # on load): only Mistral's would round-trip through to_hf_config.
-        if self.sliding_window is not None and self.model_type != "mistral":
-            raise ValueError(f"sliding_window={self.sliding_window} is for model_type 'mistral' only, "
+        if self.sliding_window is not None and self.model_type not in WINDOWED:
+            raise ValueError(f"sliding_window={self.sliding_window} is for model_type 'mistral' or 'phi3' only, "
                              f"got {self.model_type!r}")
 
     @property
@@ -124,8 +126,11 @@ class LlamaConfig:
         if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias", False):
             raise ValueError("unsupported Llama variant: hidden_act must be 'silu' and mlp_bias false, "
                              f"got {hf.get('hidden_act')!r}, {hf.get('mlp_bias')!r}")
+        rotary = hf.get("partial_rotary_factor") or (hf.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0
+        if rotary != 1.0:  # Phi-4-mini's 0.75
+            raise ValueError(f"partial_rotary_factor={rotary} ({model_type}) is not supported yet")
         # Qwen configs carry a sliding_window that they do not use (use_sliding_window false).
-        window = hf.get("sliding_window") if model_type == "mistral" else None
+        window = hf.get("sliding_window") if model_type in WINDOWED else None
         return cls(**hf_common_fields(hf, dtype), attention_bias=hf.get("attention_bias", False),
                    model_type=model_type, sliding_window=window)
 
@@ -144,6 +149,8 @@ class LlamaConfig:
             "mlp_bias": False, "max_position_embeddings": self.max_position_embeddings,
             "bos_token_id": self.bos_token_id, "eos_token_id": eos, "torch_dtype": self.dtype,
             "sliding_window": self.sliding_window,  # explicit: MistralConfig's default is 4096, not None
+            # Phi3Config's default pad_token_id (32000) is a token past any smaller vocabulary.
+            **({"pad_token_id": None} if self.model_type == "phi3" else {}),
         }
 
 

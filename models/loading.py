@@ -20,6 +20,9 @@ class HFTensor(NamedTuple):
     layer: int | None  # index on the stacked layer axis, None for unstacked parameters
     shape: tuple[int, ...]  # the tensor's shape in the HF file
     transpose: bool  # HF's nn.Linear stores [out, in]; ours are [in, out]
+    # A fused HF tensor (Phi-3's qkv_proj, gate_up_proj): (our parameter, its rows of the tensor) in
+    # order; `param` is then the first of them.
+    parts: tuple[tuple[tuple[str, ...], int], ...] = ()
 
 
 def llama_hf_tensors(c: LlamaConfig, extra_per_layer=None) -> dict[str, HFTensor]:
@@ -55,6 +58,21 @@ def llama_hf_tensors(c: LlamaConfig, extra_per_layer=None) -> dict[str, HFTensor
     return out
 
 
+def phi3_hf_tensors(c: LlamaConfig) -> dict[str, HFTensor]:
+    """Llama's tensors with Phi-3's two fused ones per layer: qkv_proj holds q, k and v's rows,
+    gate_up_proj the gate's then up's (HF's Phi3MLP chunks it in two, gate first)."""
+    d, f, q, kv = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    out = {name: t for name, t in llama_hf_tensors(c).items()
+           if not name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
+                                 "up_proj.weight"))}
+    for i in range(c.num_layers):
+        for name, rows, shape in (("self_attn.qkv_proj.weight", (("wq", q), ("wk", kv), ("wv", kv)), (q + 2 * kv, d)),
+                                  ("mlp.gate_up_proj.weight", (("w_gate", f), ("w_up", f)), (2 * f, d))):
+            parts = tuple((("layers", param), n) for param, n in rows)
+            out[f"model.layers.{i}.{name}"] = HFTensor(parts[0][0], i, shape, True, parts)
+    return out
+
+
 def gemma2_hf_tensors(c: Gemma2Config) -> dict[str, HFTensor]:
     """Gemma 2's and 3's (whose q_norm and k_norm come with qk_norm): Llama's tensors; HF's post_attention_layernorm follows attention here (it precedes the MLP in
     Llama), pre_feedforward_layernorm precedes the MLP, post_feedforward_layernorm follows it."""
@@ -73,7 +91,8 @@ class ModelSpec(NamedTuple):
 # config.json's model_type -> how to build and fill the model (vLLM's model registry, in small).
 MODEL_REGISTRY = {**{model_type: ModelSpec(LlamaConfig, Llama, llama_hf_tensors) for model_type in ARCHITECTURES},
                   "gemma2": ModelSpec(Gemma2Config, Gemma2, gemma2_hf_tensors),
-                  "gemma3_text": ModelSpec(Gemma3Config, Gemma3, gemma2_hf_tensors)}
+                  "gemma3_text": ModelSpec(Gemma3Config, Gemma3, gemma2_hf_tensors),
+                  "phi3": ModelSpec(LlamaConfig, Llama, phi3_hf_tensors)}
 
 
 def abstract_model(config: LlamaConfig):
@@ -85,7 +104,15 @@ def abstract_model(config: LlamaConfig):
 
 
 def put_tensor(buffers, t: HFTensor, values: np.ndarray) -> None:
-    """Copy one checkpoint tensor (in the file's layout) into its place in the preallocated buffers."""
+    """Copy one checkpoint tensor (in the file's layout) into its place in the preallocated buffers
+    (a fused one's rows into each of its parts)."""
+    if t.parts:
+        start = 0
+        for param, rows in t.parts:
+            put_tensor(buffers, t._replace(param=param, shape=(rows, *t.shape[1:]), parts=()),
+                       values[start:start + rows])
+            start += rows
+        return
     values = values.T if t.transpose else values
     target = buffers
     for key in t.param:

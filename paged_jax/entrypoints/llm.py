@@ -17,7 +17,7 @@ from paged_jax.sampling_params import BeamSearchParams, RequestOutputKind, Sampl
 # config.json's model_type -> the module that loads it, imported only when used (as vLLM's registry
 # does), so that paged_jax never imports models at module level.
 MODEL_LOADERS = {"llama": "models", "qwen2": "models", "qwen3": "models", "mistral": "models",
-                 "gemma2": "models", "gemma3_text": "models", "gemma3": "models"}
+                 "gemma2": "models", "gemma3_text": "models", "gemma3": "models", "phi3": "models"}
 # A GGUF file names its architecture inside: this module's load_gguf reads it (and refuses one it does
 # not build), parsing the metadata once for the model and the tokenizer.
 GGUF_LOADER = "models"

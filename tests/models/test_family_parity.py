@@ -28,6 +28,9 @@ FAMILIES = {
     "mistral_window": dict(MISTRAL_WINDOW, rope_theta=1e6),
     "gemma2": GEMMA2,
     "gemma3": GEMMA3,
+    # Phi-3 and Phi-4: fused qkv_proj and gate_up_proj, untied; Phi-3-mini-4k's window in every layer.
+    "phi3": dict(model_type="phi3", rope_theta=250000.0),
+    "phi3_window": dict(model_type="phi3", sliding_window=12),
 }
 NEW_TOKENS = 32
 rng = np.random.default_rng(0)
@@ -62,7 +65,7 @@ def test_logits_match_transformers(save_hf, family):
 
 
 # Null-window Mistral runs Llama's code path (its logits are checked above); its window runs here.
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral_window", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral_window", "gemma2", "gemma3", "phi3_window"])
 def test_greedy_tokens_match_transformers(save_hf, family):
     directory, hf_model = save_hf(family_config(family))
     expected = hf_greedy(hf_model, PROMPTS)
@@ -72,7 +75,7 @@ def test_greedy_tokens_match_transformers(save_hf, family):
     # 15 usable blocks for four sequences of up to 70 tokens (9 blocks each): preemption is forced.
     # The window frees the blocks behind it (a sequence holds at most 4), so there only 8 blocks
     # and prefill chunks of 16 tokens force it.
-    windowed = family == "mistral_window"
+    windowed = family in ("mistral_window", "phi3_window")
     tight = LLM(str(directory), block_size=8, num_blocks=9 if windowed else 16, max_num_seqs=4,
                 max_num_batched_tokens=16 if windowed else None, log_stats=False)
     outs = tight.generate(PROMPTS, GREEDY)

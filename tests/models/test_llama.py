@@ -267,8 +267,8 @@ def test_unsupported_hf_configs_are_rejected(field, value, message):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(model_type="llama", sliding_window=8), "sliding_window=8 is for model_type 'mistral' only, got 'llama'"),
-    (dict(model_type="qwen2", sliding_window=8), "sliding_window=8 is for model_type 'mistral' only, got 'qwen2'"),
+    (dict(model_type="llama", sliding_window=8), "sliding_window=8 is for model_type 'mistral' or 'phi3' only, got 'llama'"),
+    (dict(model_type="qwen2", sliding_window=8), "sliding_window=8 is for model_type 'mistral' or 'phi3' only, got 'qwen2'"),
     (dict(model_type="mistral", sliding_window=0), "sliding_window must be a positive int or None, got 0"),
     (dict(model_type="mistral", sliding_window=8.0), "sliding_window must be a positive int or None, got 8.0"),
 ])
