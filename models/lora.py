@@ -11,7 +11,8 @@ base weight's thousands (Llama-3.1-8B: 2.4% more multiply-adds, 2.1% more bytes 
 needs no grouping by adapter; kernels that read only the adapters a batch uses (vLLM's punica
 kernels) would do max_loras / (adapters in use) times less, at the price of kernels of their own.
 
-Adapters for the projections of `TARGETS` load; an adapter that trains anything else (embeddings,
+Adapters for the projections of `TARGETS` load, and for Phi-3's fused ones (`qkv_proj`,
+`gate_up_proj`: one A shared by the parts, B's rows split among them); an adapter that trains anything else (embeddings,
 the LM head, biases, DoRA magnitudes, `modules_to_save`) is refused by name, as is a rank above the
 engine's `max_lora_rank`. A rank below it is padded with zero columns; the scaling (lora_alpha / r,
 or / sqrt(r) with rsLoRA) is folded into B.
@@ -35,6 +36,15 @@ TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _REFUSED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save", "rank_pattern": "rank_pattern",
             "alpha_pattern": "alpha_pattern", "fan_in_fan_out": "fan_in_fan_out"}
+
+
+def module_parts(config, module: str) -> tuple[tuple[str, int | None], ...] | None:
+    """Our projections a PEFT module feeds, each with the rows of its B it takes (None: all of them);
+    None for a module this model does not have."""
+    if module in TARGETS:
+        return ((TARGETS[module], None),)
+    q, kv, f = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size
+    return {"qkv_proj": (("wq", q), ("wk", kv), ("wv", kv)), "gate_up_proj": (("w_gate", f), ("w_up", f))}.get(module)
 
 
 def target_shapes(config) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -144,26 +154,38 @@ def load_peft(path, config, max_rank: int) -> tuple[dict, dict]:
     dtype = jnp.dtype(config.dtype)
     a = {k: np.zeros((n, *i, max_rank), np.float32) for k, (i, _) in shapes.items()}
     b = {k: np.zeros((n, max_rank, *o), np.float32) for k, (_, o) in shapes.items()}
+
+    def put(name: str, layer: int, x, which: str, key: str):
+        """One projection's A or B of one layer, checked, into its stacked zero-padded array."""
+        inputs, outputs = shapes[name]
+        expected = (rank, math.prod(inputs)) if which == "A" else (math.prod(outputs), rank)
+        if which == "B" and name in ("wk", "wv"):
+            x = _repeat_kv_heads(x, expected, config.head_dim)
+        if layer >= n or x.shape != expected:
+            raise LoRAError(f"LoRA adapter {str(path)!r}: tensor {key!r} has shape {x.shape}, expected "
+                            f"{expected} for layer {layer} of this model's {n}")
+        if which == "A":
+            a[name][layer, ..., :rank] = x.T.reshape(*inputs, rank)
+        else:
+            b[name][layer, :rank] = (x.T * scaling).reshape(rank, *outputs)
+
     with jax.default_device(jax.local_devices(backend="cpu")[0]), safe_open(weights_file, framework="flax") as f:
         for key in sorted(f.keys()):
             found = _KEY.search(key)
-            if found is None or found[2] not in TARGETS:
+            parts = None if found is None else module_parts(config, found[2])
+            if parts is None:
                 raise LoRAError(f"LoRA adapter {str(path)!r}: tensor {key!r} is not a LoRA A/B of a supported "
-                                f"projection ({', '.join(TARGETS)})")
-            layer, name, which = int(found[1]), TARGETS[found[2]], found[3]
-            inputs, outputs = shapes[name]
-            # PEFT's A is [rank, in features], its B [out features, rank] (torch's Linear layout).
-            expected = (rank, math.prod(inputs)) if which == "A" else (math.prod(outputs), rank)
-            x = np.asarray(f.get_tensor(key), np.float32)
-            if which == "B" and name in ("wk", "wv"):
-                x = _repeat_kv_heads(x, expected, config.head_dim)
-            if layer >= n or x.shape != expected:
-                raise LoRAError(f"LoRA adapter {str(path)!r}: tensor {key!r} has shape {x.shape}, expected "
-                                f"{expected} for layer {layer} of this model's {n}")
-            if which == "A":
-                a[name][layer, ..., :rank] = x.T.reshape(*inputs, rank)
-            else:
-                b[name][layer, :rank] = (x.T * scaling).reshape(rank, *outputs)
+                                f"projection ({', '.join(TARGETS)}; Phi-3's qkv_proj, gate_up_proj)")
+            layer, which = int(found[1]), found[3]
+            tensor, start = np.asarray(f.get_tensor(key), np.float32), 0
+            for name, rows in parts:
+                # PEFT's A is [rank, in features], its B [out features, rank] (torch's Linear layout).
+                x = tensor if which == "A" or rows is None else tensor[start:start + rows]
+                start += rows or 0
+                put(name, layer, x, which, key)
+            if which == "B" and start and start != tensor.shape[0]:
+                raise LoRAError(f"LoRA adapter {str(path)!r}: tensor {key!r} has {tensor.shape[0]} rows, expected "
+                                f"{start} ({found[2]} of this model)")
     return ({k: v.astype(dtype) for k, v in a.items()}, {k: v.astype(dtype) for k, v in b.items()})
 
 

@@ -61,15 +61,17 @@ def test_each_token_takes_its_own_adapter(tmp_path, family):
     assert max_rel_err(got[2], dense_logits(model, jnp.asarray(prompts[2])[None])[0]) > 0.01
 
 
-def test_matches_peft(save_hf, tmp_path):
+@pytest.mark.parametrize("model_type, targets", [
+    ("llama", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    ("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])])  # fused: one A, B's rows split
+def test_matches_peft(save_hf, tmp_path, model_type, targets):
     """An adapter PEFT made and saved (random B, as after training) gives PEFT's logits."""
     torch = pytest.importorskip("torch")
     peft = pytest.importorskip("peft")
     from models.checkpoint import load_model
 
-    config = tiny_config(num_heads=8, num_kv_heads=2, head_dim=8)
+    config = tiny_config(num_heads=8, num_kv_heads=2, head_dim=8, model_type=model_type)
     directory, hf_model = save_hf(config)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     peft_model = peft.get_peft_model(hf_model, peft.LoraConfig(r=4, lora_alpha=16, target_modules=targets))
     torch.manual_seed(5)
     with torch.no_grad():
