@@ -23,5 +23,6 @@ from models.loading import MODEL_REGISTRY
 from models.tokenizer import load_tokenizer
 from models.tokenizer_base import Tokenizer
 
-__all__ = ["MODEL_REGISTRY", "CheckpointError", "Gemma2", "Gemma2Config", "Gemma3", "Gemma3Config", "Llama", "LlamaConfig", "Tokenizer",
+__all__ = ["MODEL_REGISTRY", "CheckpointError", "Gemma2", "Gemma2Config", "Gemma3", "Gemma3Config", "Llama",
+           "LlamaConfig", "Tokenizer",
            "forward", "load_gguf", "load_model", "load_tokenizer", "preset", "save_orbax"]

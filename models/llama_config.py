@@ -126,7 +126,8 @@ class LlamaConfig:
         if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias", False):
             raise ValueError("unsupported Llama variant: hidden_act must be 'silu' and mlp_bias false, "
                              f"got {hf.get('hidden_act')!r}, {hf.get('mlp_bias')!r}")
-        rotary = hf.get("partial_rotary_factor") or (hf.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0
+        rope = hf.get("rope_parameters") or {}
+        rotary = hf.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
         if rotary != 1.0:  # Phi-4-mini's 0.75
             raise ValueError(f"partial_rotary_factor={rotary} ({model_type}) is not supported yet")
         # Qwen configs carry a sliding_window that they do not use (use_sliding_window false).

@@ -74,8 +74,9 @@ def phi3_hf_tensors(c: LlamaConfig) -> dict[str, HFTensor]:
 
 
 def gemma2_hf_tensors(c: Gemma2Config) -> dict[str, HFTensor]:
-    """Gemma 2's and 3's (whose q_norm and k_norm come with qk_norm): Llama's tensors; HF's post_attention_layernorm follows attention here (it precedes the MLP in
-    Llama), pre_feedforward_layernorm precedes the MLP, post_feedforward_layernorm follows it."""
+    """Gemma 2's and 3's (whose q_norm and k_norm come with qk_norm): Llama's tensors; HF's
+    post_attention_layernorm follows attention here (it precedes the MLP in Llama),
+    pre_feedforward_layernorm precedes the MLP, post_feedforward_layernorm follows it."""
     d = (c.hidden_size,)
     return llama_hf_tensors(c, {"post_attention_layernorm.weight": ("post_attn_norm", d, False),
                                 "pre_feedforward_layernorm.weight": ("mlp_norm", d, False),

@@ -153,3 +153,21 @@ def merged_model(model, adapter, scaling):
         w[layer] += term.reshape(shape or term.shape)
         param[...] = jnp.asarray(w, param[...].dtype)
     return merged
+
+
+def scan_shape(family: dict, num_layers: int) -> tuple[int, int]:
+    """(layer loops, top-level equations) of a family's traced paged forward at `num_layers`, from
+    shapes alone: what grows with depth, and how many loops the layers take."""
+    config = tiny_config(**dict(family, num_layers=num_layers))
+    model_cls = MODEL_REGISTRY[config.model_type].model_cls
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0))))
+    tokens = jnp.zeros((8,), jnp.int32)
+    md = AttentionMetadata(slot_mapping=jnp.arange(8, dtype=jnp.int32), block_tables=jnp.ones((1, 2), jnp.int32),
+                           seq_lens=jnp.array([8], jnp.int32), query_start_loc=jnp.array([0, 8], jnp.int32))
+
+    def run(state):
+        model = nnx.merge(graphdef, state)
+        return model(tokens, tokens, model.init_cache(4, 4), md, jnp.zeros(1, jnp.int32))
+
+    names = [e.primitive.name for e in jax.make_jaxpr(run)(state).jaxpr.eqns]
+    return names.count("scan"), len(names)

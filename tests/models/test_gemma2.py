@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model_testing import GEMMA2, dense_logits, random_model, tiny_config
+from model_testing import GEMMA2, dense_logits, random_model, scan_shape, tiny_config
 from models import load_model, save_orbax
 from models.gemma2 import Gemma2, Gemma2Config
 from models.layers import window_period
-from paged_jax.attention import AttentionMetadata
 
 # google/gemma-2-9b-it's config.json (transformers 4.42), as published.
 GEMMA_2_9B_IT = {
@@ -85,26 +84,10 @@ def test_window_period(windows, period):
     assert window_period(windows) == period
 
 
-def scan_shape(num_layers):
-    """(scans, top-level equations) of the traced paged forward, from shapes alone."""
-    config = tiny_config(**dict(GEMMA2, num_layers=num_layers))
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Gemma2(config, rngs=nnx.Rngs(0))))
-    tokens = jnp.zeros((8,), jnp.int32)
-    md = AttentionMetadata(slot_mapping=jnp.arange(8, dtype=jnp.int32), block_tables=jnp.ones((1, 2), jnp.int32),
-                           seq_lens=jnp.array([8], jnp.int32), query_start_loc=jnp.array([0, 8], jnp.int32))
-
-    def run(state):
-        model = nnx.merge(graphdef, state)
-        return model(tokens, tokens, model.init_cache(4, 4), md, jnp.zeros(1, jnp.int32))
-
-    names = [e.primitive.name for e in jax.make_jaxpr(run)(state).jaxpr.eqns]
-    return names.count("scan"), len(names)
-
-
 def test_pairs_of_layers_scan_and_the_program_does_not_grow_with_depth():
-    assert scan_shape(2)[0] == 1 and scan_shape(2) == scan_shape(8)
+    assert scan_shape(GEMMA2, 2)[0] == 1 and scan_shape(GEMMA2, 2) == scan_shape(GEMMA2, 8)
     # An odd count: the last sliding layer runs in a loop of its own after the pairs', whatever the depth.
-    assert scan_shape(3)[0] == 2 and scan_shape(3) == scan_shape(9)
+    assert scan_shape(GEMMA2, 3)[0] == 2 and scan_shape(GEMMA2, 3) == scan_shape(GEMMA2, 9)
 
 
 def test_orbax_round_trip_keeps_config_and_logits(tmp_path):

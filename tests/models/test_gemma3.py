@@ -5,14 +5,12 @@ import json
 import re
 
 import jax
-import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from model_testing import GEMMA3, tiny_config
+from model_testing import GEMMA3, scan_shape, tiny_config
 from models.checkpoint import read_config
 from models.gemma3 import Gemma3, Gemma3Config
-from paged_jax.attention import AttentionMetadata
 
 # google/gemma-3-1b-it's config.json (transformers 4.50), as published.
 GEMMA_3_1B_IT = {
@@ -104,23 +102,8 @@ def test_unsupported_gemma3_configs_are_rejected(field, value, message):
         Gemma3Config.from_hf_config(dict(GEMMA_3_1B_IT, **{field: value}))
 
 
-def scan_shape(num_layers):
-    """(scans, top-level equations) of the traced paged forward, from shapes alone."""
-    config = tiny_config(**dict(GEMMA3, num_layers=num_layers))
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Gemma3(config, rngs=nnx.Rngs(0))))
-    tokens = jnp.zeros((8,), jnp.int32)
-    md = AttentionMetadata(slot_mapping=jnp.arange(8, dtype=jnp.int32), block_tables=jnp.ones((1, 2), jnp.int32),
-                           seq_lens=jnp.array([8], jnp.int32), query_start_loc=jnp.array([0, 8], jnp.int32))
-
-    def run(state):
-        model = nnx.merge(graphdef, state)
-        return model(tokens, tokens, model.init_cache(4, 4), md, jnp.zeros(1, jnp.int32))
-
-    names = [e.primitive.name for e in jax.make_jaxpr(run)(state).jaxpr.eqns]
-    return names.count("scan"), len(names)
-
-
 def test_groups_of_six_layers_scan_and_the_program_does_not_grow_with_depth():
-    assert scan_shape(6)[0] == 1 and scan_shape(6) == scan_shape(24)
+    assert scan_shape(GEMMA3, 6)[0] == 1 and scan_shape(GEMMA3, 6) == scan_shape(GEMMA3, 24)
     # Layers left over (Gemma 3 1B: 26 = 4 x 6 + 2) loop on their own: no static slice of a weight stack.
-    assert scan_shape(26)[0] == 2 and scan_shape(26) == scan_shape(8) and scan_shape(7)[0] == 2
+    assert scan_shape(GEMMA3, 26)[0] == 2 and scan_shape(GEMMA3, 26) == scan_shape(GEMMA3, 8)
+    assert scan_shape(GEMMA3, 7)[0] == 2
