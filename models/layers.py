@@ -16,11 +16,14 @@ from models import lora
 from pallas_kernels import targets
 
 
-def rope(x, cos, sin):  # x [..., heads, head_dim]; cos, sin f32[..., head_dim // 2]
-    """Rotate the two halves of each head (HF's `rotate_half` layout, which its checkpoints assume)."""
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+def rope(x, cos, sin):  # x [..., heads, head_dim]; cos, sin f32[..., rotary_dim // 2]
+    """Rotate the two halves of each head's first rotary_dim dims (HF's `rotate_half` layout, which
+    its checkpoints assume; all of head_dim but for a partial rotary, whose other dims pass)."""
+    rotary = 2 * cos.shape[-1]
+    x1, x2 = jnp.split(x[..., :rotary].astype(jnp.float32), 2, axis=-1)
     cos, sin = cos[..., None, :], sin[..., None, :]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    turned = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return turned if rotary == x.shape[-1] else jnp.concatenate([turned, x[..., rotary:]], axis=-1)
 
 
 def rope_tables(inv_freq, positions):  # f32[head_dim // 2] (a config's constant), i32[...]

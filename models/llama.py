@@ -14,6 +14,7 @@ intermediate) and down (shard on intermediate, reduce after).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -23,7 +24,7 @@ from flax import nnx
 from models.layers import (COMPILER_OPTIONS, HALF_ALGORITHMS, causal_attention, gated_mlp, rms_norm, rope_tables,
                            scan_layers, self_attention)
 from models.llama_config import (ARCHITECTURES, PRESETS, SUPPORTED_DTYPES, LlamaConfig, hf_common_fields, preset,
-                                 rope_inv_freq)
+                                 rope_attention_factor, rope_inv_freq)
 from models.lora import LoRAInputs
 from models.quantize import head_logits
 from pallas_kernels.quantization import storage_dtype
@@ -31,7 +32,7 @@ from paged_jax.attention import AttentionMetadata, KVCache, attend
 
 # The config's names are imported from here as well as from models.llama_config.
 __all__ = ["ARCHITECTURES", "PRESETS", "SUPPORTED_DTYPES", "Llama", "LlamaConfig", "LlamaLayers", "forward",
-           "hf_common_fields", "preset", "rope_inv_freq"]
+           "fit_rope", "hf_common_fields", "preset", "rope_inv_freq"]
 
 
 class LlamaLayers(nnx.Module):
@@ -92,8 +93,10 @@ class Llama(nnx.Module):
         self.lm_head = None if config.tie_word_embeddings else nnx.Param(
             normal(rngs.params(), (config.hidden_size, config.vocab_size), dtype))
 
-    def rope_tables(self, positions):  # i32[...] -> (f32[..., head_dim // 2], same)
-        return rope_tables(rope_inv_freq(self.config), positions)
+    def rope_tables(self, positions):  # i32[...] -> (f32[..., rotary_dim // 2], same)
+        cos, sin = rope_tables(rope_inv_freq(self.config), positions)
+        scale = rope_attention_factor(self.config)  # LongRoPE's; 1 otherwise
+        return (cos, sin) if scale == 1.0 else (cos * scale, sin * scale)
 
     def layer_rope(self, tables, window: int | None):
         """The RoPE tables of a layer with this sliding window (Gemma 3's differ by window)."""
@@ -226,3 +229,19 @@ def forward(
     Same arguments and result as `Llama.__call__`; the cache is donated and updated in place."""
     model = nnx.merge(graphdef, state)
     return model(tokens, positions, cache, md, logits_indices, backend=backend, mesh=mesh, lora=lora)
+
+
+def fit_rope(model: Llama, max_model_len: int) -> Llama:
+    """`model` with LongRoPE's long factors in use when its sequences may outgrow the original
+    context, its short ones otherwise: vLLM's rule, fixed for the engine's life (HF switches when a
+    sequence crosses it, which leaves the keys cached before in the other RoPE). Others unchanged."""
+    c = model.config
+    scaling = dict(c.rope_scaling or ())
+    if scaling.get("rope_type") != "longrope":
+        return model
+    long = max_model_len > scaling["original_max_position_embeddings"]
+    if long == c.long_rope:
+        return model
+    fitted = nnx.merge(*nnx.split(model))  # the same arrays; the caller's model keeps its config
+    fitted.config = dataclasses.replace(c, long_rope=long)
+    return fitted

@@ -20,6 +20,10 @@ _HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "bfloat16
 # its config.json does not state (shared/notes/model-families.md) is derived from model_type below.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}
+# rope_scaling types -> the fields each needs (Phi-3's original_max_position_embeddings comes from the
+# config's top level when its rope_scaling lacks it).
+_ROPE_FIELDS = {"llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+                "longrope": {"short_factor", "long_factor", "original_max_position_embeddings"}}
 # The families whose config.json's sliding_window is the window of every layer (Phi-3-mini-4k: 2047).
 WINDOWED = ("mistral", "phi3")
 
@@ -36,10 +40,16 @@ class LlamaConfig:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 500000.0
-    # None, or the llama3 dict (rope_type "llama3", factor, low_freq_factor, high_freq_factor,
-    # original_max_position_embeddings); kept as sorted (key, value) pairs so the config hashes:
-    # it is static data in the model's graphdef, a jit cache key.
+    # None, the llama3 dict (rope_type "llama3", factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings) or Phi-3's longrope one (short_factor, long_factor: one per
+    # rotary frequency; original_max_position_embeddings; attention_factor, optional); kept as
+    # sorted (key, value) pairs so the config hashes: it is static data in the model's graphdef, a
+    # jit cache key.
     rope_scaling: Any = None
+    partial_rotary_factor: float = 1.0  # RoPE turns the first head_dim * this dims (Phi-4-mini: 0.75)
+    # LongRoPE's long factors in use rather than its short ones: the engine's choice for its life
+    # (models.llama.fit_rope: max_model_len past the original context, vLLM's rule).
+    long_rope: bool = False
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # biases on q, k, v and o (HF Llama's and Qwen3's field)
     max_position_embeddings: int = 131072
@@ -51,18 +61,11 @@ class LlamaConfig:
     sliding_window: int | None = None
 
     def __post_init__(self):
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1] and turn an even "
+                             f"number of head_dim {self.head_dim}'s dims")
         if self.rope_scaling is not None:
-            scaling = dict(self.rope_scaling)
-            # Older HF configs name the type "type", some carry both keys.
-            kind = scaling.pop("rope_type", None) or scaling.pop("type", None)
-            scaling.pop("type", None)
-            if kind != "llama3":
-                raise ValueError(f"unsupported rope_scaling type {kind!r}: only 'llama3' is implemented")
-            missing = {"factor", "low_freq_factor", "high_freq_factor",
-                       "original_max_position_embeddings"} - set(scaling)
-            if missing:
-                raise ValueError(f"llama3 rope_scaling lacks {sorted(missing)}: {self.rope_scaling}")
-            object.__setattr__(self, "rope_scaling", tuple(sorted({**scaling, "rope_type": kind}.items())))
+            object.__setattr__(self, "rope_scaling", self._checked_rope_scaling())
         if isinstance(self.eos_token_id, (list, tuple)):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
@@ -79,6 +82,30 @@ class LlamaConfig:
                 or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
         self._check_family()
+
+    def _checked_rope_scaling(self) -> tuple:
+        scaling = dict(self.rope_scaling)
+        # Older HF configs name the type "type", some carry both keys; Phi-3's first name for LongRoPE was "su".
+        kind = scaling.pop("rope_type", None) or scaling.pop("type", None)
+        scaling.pop("type", None)
+        kind = "longrope" if kind == "su" else kind
+        if kind not in _ROPE_FIELDS:
+            raise ValueError(f"unsupported rope_scaling type {kind!r}: only 'llama3' and 'longrope' are implemented")
+        missing = _ROPE_FIELDS[kind] - set(scaling)
+        if missing:
+            raise ValueError(f"{kind} rope_scaling lacks {sorted(missing)}: {self.rope_scaling}")
+        for name in ("short_factor", "long_factor") if kind == "longrope" else ():
+            factors = scaling[name]
+            if not isinstance(factors, (list, tuple)) or len(factors) != self.rotary_dim // 2 or not all(
+                    isinstance(f, (int, float)) and f > 0 for f in factors):
+                raise ValueError(f"longrope rope_scaling {name} must be {self.rotary_dim // 2} positive numbers "
+                                 f"(one per rotary frequency), got {factors!r}"[:300])
+            scaling[name] = tuple(float(f) for f in factors)
+        return tuple(sorted({**scaling, "rope_type": kind}.items()))
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def _check_family(self):
         # HF's Llama and Qwen classes ignore a sliding_window (Qwen2's use_sliding_window is refused
@@ -126,19 +153,21 @@ class LlamaConfig:
         if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias", False):
             raise ValueError("unsupported Llama variant: hidden_act must be 'silu' and mlp_bias false, "
                              f"got {hf.get('hidden_act')!r}, {hf.get('mlp_bias')!r}")
-        rope = hf.get("rope_parameters") or {}
-        rotary = hf.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
-        if rotary != 1.0:  # Phi-4-mini's 0.75
-            raise ValueError(f"partial_rotary_factor={rotary} ({model_type}) is not supported yet")
+        rotary = hf.get("partial_rotary_factor") or (hf.get("rope_parameters") or {}).get("partial_rotary_factor")
+        fields = hf_common_fields(hf, dtype)
+        if fields["rope_scaling"] is not None and "original_max_position_embeddings" in hf:  # Phi-3's place for it
+            fields["rope_scaling"] = {"original_max_position_embeddings": hf["original_max_position_embeddings"],
+                                      **fields["rope_scaling"]}
         # Qwen configs carry a sliding_window that they do not use (use_sliding_window false).
         window = hf.get("sliding_window") if model_type in WINDOWED else None
-        return cls(**hf_common_fields(hf, dtype), attention_bias=hf.get("attention_bias", False),
-                   model_type=model_type, sliding_window=window)
+        return cls(**fields, attention_bias=hf.get("attention_bias", False), model_type=model_type,
+                   sliding_window=window, partial_rotary_factor=float(rotary or 1.0))
 
     def to_hf_config(self) -> dict:
         """The transformers-4 style `config.json` (read by transformers 4 and 5, and by vLLM)."""
         eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
-        scaling = None if self.rope_scaling is None else dict(self.rope_scaling)
+        scaling = None if self.rope_scaling is None else {
+            k: list(v) if isinstance(v, tuple) else v for k, v in self.rope_scaling}
         return {
             "architectures": [self.architectures[self.model_type]], "model_type": self.model_type,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
@@ -152,6 +181,9 @@ class LlamaConfig:
             "sliding_window": self.sliding_window,  # explicit: MistralConfig's default is 4096, not None
             # Phi3Config's default pad_token_id (32000) is a token past any smaller vocabulary.
             **({"pad_token_id": None} if self.model_type == "phi3" else {}),
+            **({"partial_rotary_factor": self.partial_rotary_factor} if self.partial_rotary_factor != 1 else {}),
+            **({"original_max_position_embeddings": scaling["original_max_position_embeddings"]}
+               if scaling and scaling["rope_type"] == "longrope" else {}),
         }
 
 
@@ -160,6 +192,7 @@ def hf_common_fields(hf: dict, dtype) -> dict:
     # transformers 5 folds rope_theta and the scaling into `rope_parameters`; 4 keeps them apart.
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    rope.pop("partial_rotary_factor", None)  # transformers 5 keeps it here; read by from_hf_config
     if not rope or rope.get("rope_type", rope.get("type")) == "default":
         rope = None
     saved = hf.get("dtype") or hf.get("torch_dtype") or "float32"
@@ -208,13 +241,19 @@ def rope_frequencies(theta: float, head_dim: int) -> np.ndarray:  # f32[head_dim
     return (1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)).astype(np.float32)
 
 
-def rope_inv_freq(config: LlamaConfig) -> np.ndarray:  # f32[head_dim // 2]
-    """RoPE frequencies, with Llama 3.1's scaling: long wavelengths slowed by `factor`, short ones
-    kept, a smooth blend between (Meta's llama-models `apply_scaling`, HF's `_compute_llama3_parameters`)."""
-    inv_freq = rope_frequencies(config.rope_theta, config.head_dim)
+def rope_inv_freq(config: LlamaConfig) -> np.ndarray:  # f32[rotary_dim // 2]
+    """RoPE frequencies, with Llama 3.1's scaling (long wavelengths slowed by `factor`, short ones
+    kept, a smooth blend between: Meta's llama-models `apply_scaling`, HF's
+    `_compute_llama3_parameters`) or Phi-3's LongRoPE (each frequency divided by its own factor,
+    short or long: HF's `_compute_longrope_parameters`)."""
+    inv_freq = rope_frequencies(config.rope_theta, config.rotary_dim)
     if config.rope_scaling is None:
         return inv_freq.astype(np.float32)
     s = dict(config.rope_scaling)
+    if s["rope_type"] == "longrope":
+        factors = np.asarray(s["long_factor" if config.long_rope else "short_factor"], np.float32)
+        d = config.rotary_dim
+        return (1.0 / (factors * config.rope_theta ** (np.arange(0, d, 2, dtype=np.float32) / d))).astype(np.float32)
     old_len, low, high = s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"]
     wavelen = 2 * math.pi / inv_freq
     scaled = np.where(wavelen > old_len / low, inv_freq / s["factor"], inv_freq)
@@ -222,3 +261,16 @@ def rope_inv_freq(config: LlamaConfig) -> np.ndarray:  # f32[head_dim // 2]
     blended = (1 - smooth) * scaled / s["factor"] + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def rope_attention_factor(config: LlamaConfig) -> float:
+    """What LongRoPE scales cos and sin by (so q.k by its square): its attention_factor, or
+    sqrt(1 + ln(scale) / ln(original)) with scale the context's growth (HF's and vLLM's); 1 otherwise."""
+    s = dict(config.rope_scaling or ())
+    if s.get("rope_type") != "longrope":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    original = s["original_max_position_embeddings"]
+    scale = config.max_position_embeddings / original
+    return math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0

@@ -3,8 +3,7 @@
 One `step()` reads like vLLM's: the scheduler plans (host), the model runner makes one device call
 (a ragged `prefill_step`, or `decode_steps` when every scheduled sequence is decoding), the
 scheduler takes its output (`update_from_output`), and the output processor turns the new tokens
-into text and `RequestOutput`s. With async scheduling the next call is dispatched before the
-output processor runs (engine.step: how).
+into text and `RequestOutput`s; with async scheduling the next call goes first (engine.step: how).
 """
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ import time
 import jax
 import numpy as np
 
+from models.llama import fit_rope
 from models.quantize import quantize
 from paged_jax.core.async_scheduler import AsyncScheduler
 from paged_jax.core.host_pool import HostBlockPool
@@ -51,9 +51,9 @@ class LLMEngine:
             model = sharding.shard_model(model, mesh)
             draft = draft and sharding.shard_model(draft, mesh)
         self.config = args.create_engine_config(model, mesh, draft)
+        model, draft = (m and fit_rope(m, self.config.max_model_len) for m in (model, draft))
         spec_config.check_draft_vocabulary(args.speculative_config, tokenizer, draft_tokenizer)
-        self.mesh = mesh
-        self.model_config = model.config
+        self.mesh, self.model_config = mesh, model.config
         self.tokenizer = tokenizer
         self.output_processor = OutputProcessor(tokenizer)
         if args.log_stats:

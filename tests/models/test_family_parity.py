@@ -3,6 +3,7 @@ transformers' own `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `MistralForCausalLM`, 
 `Gemma3ForCausalLM`
 on checkpoints they saved: logits to f32 tolerance, greedy tokens exactly, with and without prefix
 caching and preemption, and through the Pallas kernels in interpret mode."""
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -12,11 +13,13 @@ import pytest
 from model_testing import (GEMMA2, GEMMA3, MISTRAL_WINDOW, dense_logits, hf_logits, max_rel_err, paged_prefill_logits,
                            tiny_config)
 from models.checkpoint import load_model
+from models.llama import fit_rope
 from paged_jax import LLM, SamplingParams
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+LONGROPE = dict(rope_type="longrope", original_max_position_embeddings=16)
 FAMILIES = {
     # Released Qwen2.5 small sizes: rope_theta 1e6, tied embeddings; q/k/v biases always.
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=True, rope_theta=1e6),
@@ -31,6 +34,12 @@ FAMILIES = {
     # Phi-3 and Phi-4: fused qkv_proj and gate_up_proj, untied; Phi-3-mini-4k's window in every layer.
     "phi3": dict(model_type="phi3", rope_theta=250000.0),
     "phi3_window": dict(model_type="phi3", sliding_window=12),
+    # Phi-3.5-mini: LongRoPE past an original context of 16 tokens (the prompts outgrow it, so
+    # transformers runs the long factors); Phi-4-mini: the same on half of each head (rotary 8 of 16).
+    "phi3_longrope": dict(model_type="phi3", rope_scaling=dict(LONGROPE, short_factor=[1.0, 1.1, 1.3, 1.5, 2.0, 2.5, 3.0, 4.0],
+                                                                long_factor=[1.0, 2.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0])),
+    "phi4_mini": dict(model_type="phi3", partial_rotary_factor=0.5,
+                      rope_scaling=dict(LONGROPE, short_factor=[1.0, 1.2, 1.5, 2.0], long_factor=[1.0, 3.0, 9.0, 27.0])),
 }
 NEW_TOKENS = 32
 rng = np.random.default_rng(0)
@@ -57,15 +66,16 @@ def hf_greedy(model, prompts, new_tokens=NEW_TOKENS):
 def test_logits_match_transformers(save_hf, family):
     config = family_config(family)
     directory, hf_model = save_hf(config)
-    model = load_model(directory)
-    assert model.config == config
+    model = fit_rope(load_model(directory), 256)  # as the engine: LongRoPE's long factors past 16 tokens
+    assert model.config == dataclasses.replace(config, long_rope=config.rope_scaling is not None)
     expected = hf_logits(hf_model, PROMPTS[0])
     assert max_rel_err(dense_logits(model, jnp.asarray(PROMPTS[0])[None])[0], expected) <= 1e-4
     assert max_rel_err(paged_prefill_logits(model, PROMPTS[0]), expected) <= 1e-4
 
 
 # Null-window Mistral runs Llama's code path (its logits are checked above); its window runs here.
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral_window", "gemma2", "gemma3", "phi3_window"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral_window", "gemma2", "gemma3", "phi3_window",
+                                    "phi4_mini"])
 def test_greedy_tokens_match_transformers(save_hf, family):
     directory, hf_model = save_hf(family_config(family))
     expected = hf_greedy(hf_model, PROMPTS)
@@ -146,6 +156,19 @@ def test_a_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path, name
     assert max_rel_err(dense_logits(model, jnp.asarray(PROMPTS[0])[None])[0], expected) <= 1e-4
     llm = LLM(str(tmp_path / "mm"), block_size=8, num_blocks=64, max_num_seqs=4, log_stats=False)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == hf_greedy(hf_model, PROMPTS[:2])
+
+
+def test_longrope_within_the_original_context_runs_the_short_factors(save_hf):
+    """An engine whose sequences stay within the original context (max_model_len 16) runs LongRoPE's
+    short factors, as transformers does below it; one that may outgrow it, the long ones."""
+    directory, hf_model = save_hf(family_config("phi4_mini"))
+    prompt = PROMPTS[0][:8]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    short = LLM(str(directory), block_size=8, num_blocks=16, max_num_seqs=2, max_model_len=16, log_stats=False)
+    assert short.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(hf_model, [prompt], 8)[0]
+    assert not short.engine.model_config.long_rope and load_model(directory).config.long_rope is False
+    long = LLM(str(directory), block_size=8, num_blocks=16, max_num_seqs=2, max_model_len=32, log_stats=False)
+    assert long.engine.model_config.long_rope  # (transformers would switch only past 16 tokens)
 
 
 def test_sliding_window_is_refused(save_hf):

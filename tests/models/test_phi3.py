@@ -1,12 +1,17 @@
-"""Phi-3 and Phi-4 (`Phi3ForCausalLM`) without torch: published configs, parameter counts, what is
-refused (their logits and greedy tokens against transformers are in test_family_parity.py)."""
+"""Phi-3 and Phi-4 (`Phi3ForCausalLM`) without torch: published configs, parameter counts, LongRoPE
+and partial rotary, what is refused (their logits and greedy tokens against transformers are in
+test_family_parity.py)."""
+import dataclasses
+import math
 import re
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 
 from models.llama import Llama, LlamaConfig
+from models.llama_config import rope_attention_factor, rope_frequencies, rope_inv_freq
 
 # microsoft/Phi-3-mini-4k-instruct's config.json (transformers 4.40), as published (auto_map left out).
 PHI_3_MINI_4K = {
@@ -40,14 +45,34 @@ def test_published_configs_and_parameter_counts(hf, window, params):
     assert sum(x.size for x in jax.tree.leaves(nnx.to_pure_dict(nnx.state(abstract)))) == params
 
 
+def test_longrope_and_partial_rotary_of_phi_3_5_and_phi_4_mini():
+    """Phi-3.5-mini and the 128k Phi-3s (LongRoPE, 48 factors a kind for head_dim 96) and Phi-4-mini
+    (partial rotary 0.75 of head_dim 128: 48 factors too), in their published layout (the original
+    context at the config's top level); the published factors stand in as 48 positive numbers."""
+    factors = dict(short_factor=[1.0 + i / 100 for i in range(48)], long_factor=[1.0 + i for i in range(48)])
+    phi35 = {**PHI_3_MINI_4K, "max_position_embeddings": 131072, "sliding_window": 262144,
+             "rope_scaling": {"type": "longrope", **factors}}
+    config = LlamaConfig.from_hf_config(phi35)
+    assert dict(config.rope_scaling) == {"rope_type": "longrope", "original_max_position_embeddings": 4096,
+                                         **{k: tuple(v) for k, v in factors.items()}}
+    assert rope_attention_factor(config) == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
+    assert LlamaConfig.from_hf_config(config.to_hf_config()) == config
+    base = rope_frequencies(10000.0, 96)
+    np.testing.assert_allclose(rope_inv_freq(config), base / np.array(factors["short_factor"]), rtol=1e-6)
+    long = dataclasses.replace(config, long_rope=True)
+    np.testing.assert_allclose(rope_inv_freq(long), base / np.array(factors["long_factor"]), rtol=1e-6)
+    mini = LlamaConfig.from_hf_config({**phi35, "num_attention_heads": 24, "num_key_value_heads": 8,
+                                       "partial_rotary_factor": 0.75})
+    assert (mini.head_dim, mini.rotary_dim, rope_inv_freq(mini).shape) == (128, 96, (48,))
+
+
 @pytest.mark.parametrize("changes, message", [
-    # Phi-3.5-mini and Phi-3-mini-128k: LongRoPE's per-frequency factors
-    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}},
-     "unsupported rope_scaling type 'longrope'"),
-    ({"rope_scaling": {"type": "su", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}},
-     "unsupported rope_scaling type 'su'"),
-    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75 (phi3) is not supported yet"),  # Phi-4-mini
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 47, "long_factor": [2.0] * 48}},
+     "longrope rope_scaling short_factor must be 48 positive numbers (one per rotary frequency)"),
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48}}, "longrope rope_scaling lacks ['long_factor']"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "unsupported rope_scaling type 'yarn'"),
+    ({"partial_rotary_factor": 1.5}, "partial_rotary_factor=1.5 must be in (0, 1]"),
 ])
-def test_longrope_and_partial_rotary_are_refused_by_name(changes, message):
+def test_bad_rope_configs_are_refused_by_name(changes, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         LlamaConfig.from_hf_config({**PHI_3_MINI_4K, **changes})
