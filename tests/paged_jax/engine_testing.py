@@ -11,3 +11,17 @@ def assert_pool_drained(llm):
     assert int(bp.num_free(pool)) == engine.config.num_blocks - 1
     assert np.asarray(pool.ref_cnt).tolist() == [0] * engine.config.num_blocks
     assert llm.stats()["kv_cache_usage"] == 0.0
+
+
+class StubServing:
+    """What a response object reads of its server: no tokenizer, a model name."""
+    tokenizer, model_name = None, "m"
+
+
+async def dying_outputs():
+    """An engine's outputs for one request that dies after its first: (prompt index, RequestOutput)."""
+    from paged_jax.engine.outputs import CompletionOutput, RequestOutput
+    from paged_jax.entrypoints.async_llm import EngineDeadError
+
+    yield 0, RequestOutput("r", None, [1, 2], [CompletionOutput(0, "ab", [5, 6])], False)
+    raise EngineDeadError("the engine stopped: boom")

@@ -559,23 +559,15 @@ def test_benchmark_serving_end_to_end(servers, capsys):
 
 
 def test_an_error_inside_a_stream_is_an_error_chunk_then_done():
-    from paged_jax.engine.outputs import CompletionOutput, RequestOutput
-    from paged_jax.entrypoints.async_llm import EngineDeadError
     from paged_jax.entrypoints.openai.protocol import Options
     from paged_jax.entrypoints.openai.response import ChoicesResponse
-
-    class Serving:
-        tokenizer, model_name = None, "m"
-
-    async def outputs():
-        yield 0, RequestOutput("r", None, [1, 2], [CompletionOutput(0, "ab", [5, 6])], False)
-        raise EngineDeadError("the engine stopped: boom")
+    from tests.paged_jax.engine_testing import StubServing, dying_outputs
 
     async def collect():
         options = Options(model=None, stream=True, include_usage=True, logprobs=None, prompt_logprobs=None,
                           echo=False, cache_salt=None)
-        response = ChoicesResponse(Serving(), "cmpl-1", False, 1, [[1, 2]], options, token_ids_as_tokens=False)
-        return [line async for line in response.events(outputs())]
+        response = ChoicesResponse(StubServing(), "cmpl-1", False, 1, [[1, 2]], options, token_ids_as_tokens=False)
+        return [line async for line in response.events(dying_outputs())]
 
     lines = asyncio.run(collect())
     assert [json.loads(line[6:])["choices"][0]["text"] for line in lines[:1]] == ["ab"]

@@ -285,26 +285,18 @@ def test_input_items_become_chat_messages():
 
 
 def test_an_error_inside_a_stream_is_an_error_event_then_failed():
-    from paged_jax.engine.outputs import CompletionOutput, RequestOutput
-    from paged_jax.entrypoints.async_llm import EngineDeadError
     from paged_jax.entrypoints.openai.protocol import ChatCompletionRequest, read_options
     from paged_jax.entrypoints.openai.response import ChoicesResponse
     from paged_jax.entrypoints.openai.responses import ResponseBody
     from paged_jax.entrypoints.openai.responses_protocol import ResponsesRequest
-
-    class Serving:
-        tokenizer, model_name = None, "m"
-
-    async def outputs():
-        yield 0, RequestOutput("r", None, [1, 2], [CompletionOutput(0, "ab", [5, 6])], False)
-        raise EngineDeadError("the engine stopped: boom")
+    from tests.paged_jax.engine_testing import StubServing, dying_outputs
 
     async def collect():
         options = read_options(ChatCompletionRequest.parse({"messages": [{"role": "user", "content": "x"}],
                                                             "stream": True}))
-        choices = ChoicesResponse(Serving(), "c", True, 1, [[1, 2]], options, token_ids_as_tokens=False)
+        choices = ChoicesResponse(StubServing(), "c", True, 1, [[1, 2]], options, token_ids_as_tokens=False)
         response = ResponseBody(ResponsesRequest.parse({"input": "x", "stream": True}), choices, stored=True)
-        return [json.loads(line.split("\ndata: ")[1]) async for line in response.events(outputs(), print)]
+        return [json.loads(line.split("\ndata: ")[1]) async for line in response.events(dying_outputs(), print)]
 
     got = asyncio.run(collect())
     assert [e["type"] for e in got] == ["response.created", "response.in_progress", "response.output_item.added",
