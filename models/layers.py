@@ -26,8 +26,8 @@ def rope(x, cos, sin):  # x [..., heads, head_dim]; cos, sin f32[..., rotary_dim
     return turned if rotary == x.shape[-1] else jnp.concatenate([turned, x[..., rotary:]], axis=-1)
 
 
-def rope_tables(inv_freq, positions):  # f32[head_dim // 2] (a config's constant), i32[...]
-    """-> (cos, sin), each f32[..., head_dim // 2]: the angles of `positions` at each frequency."""
+def rope_tables(inv_freq, positions):  # f32[rotary_dim // 2] (a config's constant), i32[...]
+    """-> (cos, sin), each f32[..., rotary_dim // 2]: the angles of `positions` at each frequency."""
     angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
     return jnp.cos(angles), jnp.sin(angles)
 
