@@ -41,6 +41,7 @@ SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
 # "llama" too, with a SentencePiece vocabulary: models.gguf_tokenizer builds either kind).
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text"}
 _GEMMA = {"gemma2": Gemma2Config, "gemma3": Gemma3Config}
+_GEMMA_MODEL_TYPES = tuple(ARCHITECTURES[arch] for arch in _GEMMA)  # their (1 + w) norms, four a layer
 # llama.cpp's Gemma 27B models (by depth) scale scores by (hidden / heads) ** -1/2, not head_dim's.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa: a file does not carry it
@@ -67,7 +68,7 @@ def hf_name(name: str, model_type: str = "llama") -> str | None:
     """The Hugging Face tensor name of a GGUF one, None for a name llama.cpp uses and HF does not."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
-    layer_names = _GEMMA2_LAYER_NAMES if model_type in ("gemma2", "gemma3_text") else _LAYER_NAMES
+    layer_names = _GEMMA2_LAYER_NAMES if model_type in _GEMMA_MODEL_TYPES else _LAYER_NAMES
     parts = name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
@@ -214,7 +215,7 @@ def load_gguf_model(path, *, dtype=None, reader=None) -> Llama:
     buffers = jax.tree.map(lambda s: np.empty(s.shape, s.dtype), shapes)
     for tensor, t, heads in plan:
         values = dequantize(tensor)
-        if config.model_type in ("gemma2", "gemma3_text") and tensor.name.endswith("norm.weight"):
+        if config.model_type in _GEMMA_MODEL_TYPES and tensor.name.endswith("norm.weight"):
             values = values - 1.0  # llama.cpp stores Gemma's (1 + w) scales (q/k norms too); HF's take w
         put_tensor(buffers, t, unpermute_qk(values, heads) if heads else values)
     nnx.replace_by_pure_dict(state, to_device(buffers))
